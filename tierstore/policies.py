@@ -1,0 +1,227 @@
+"""Eviction and admission policies: pure objects, no I/O, no locks, no torch.
+
+Provides:
+- ``EvictionPolicy`` protocol and two implementations, ``LruPolicy`` (default)
+  and ``S3FifoPolicy`` (small/main FIFO queues with a ghost queue; resists
+  one-hit scans such as a long prompt read once).
+- ``AdmissionPolicy`` protocol with ``AlwaysAdmit`` and ``SeenTwiceAdmit``
+  (admit to the slower tier only keys seen at least twice).
+- ``make_eviction_policy`` / ``make_admission_policy``: by config name.
+
+The tier that owns a policy serialises every call (its own lock). ``evict``
+is atomic: it returns a victim that is removed from the policy, or None and
+the set of tracked keys is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from tierstore.errors import ConfigError
+from tierstore.keys import BlockKey
+
+CanEvict = Callable[[BlockKey], bool]
+
+
+class EvictionPolicy(Protocol):
+    """Orders the keys a tier holds for eviction."""
+
+    def insert(self, key: BlockKey) -> None: ...
+
+    def touch(self, key: BlockKey) -> None: ...
+
+    def remove(self, key: BlockKey) -> None: ...
+
+    def evict(self, can_evict: CanEvict) -> BlockKey | None:
+        """Remove and return the first victim for which ``can_evict`` is true."""
+        ...
+
+    def candidates(self) -> Iterator[BlockKey]:
+        """Keys in eviction order, without changing anything."""
+        ...
+
+    def __len__(self) -> int: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+
+class LruPolicy:
+    """Least recently used first."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[BlockKey, None] = OrderedDict()
+
+    def insert(self, key: BlockKey) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: BlockKey) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: BlockKey) -> None:
+        self._order.pop(key, None)
+
+    def evict(self, can_evict: CanEvict) -> BlockKey | None:
+        for key in self._order:
+            if can_evict(key):
+                del self._order[key]
+                return key
+        return None
+
+    def candidates(self) -> Iterator[BlockKey]:
+        return iter(list(self._order))
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+
+class S3FifoPolicy:
+    """S3-FIFO (Yang et al., SOSP'23): a small probationary FIFO, a main FIFO
+    and a ghost FIFO of recently evicted keys.
+
+    New keys enter the small queue (or main, if the ghost remembers them).
+    A key leaving the small queue moves to main if it was touched, else it is
+    evicted. Main is a FIFO with reinsertion of touched keys (frequency capped
+    at 3). ``small_fraction`` is the share of tracked keys kept in small.
+    """
+
+    _MAX_FREQ = 3
+
+    def __init__(self, small_fraction: float = 0.1, ghost_keys: int = 65536) -> None:
+        if not 0.0 < small_fraction < 1.0:
+            raise ConfigError(f"small_fraction must be in (0, 1), got {small_fraction}")
+        self.small_fraction = small_fraction
+        self._small: OrderedDict[BlockKey, None] = OrderedDict()
+        self._main: OrderedDict[BlockKey, None] = OrderedDict()
+        self._ghost: OrderedDict[BlockKey, None] = OrderedDict()
+        self._ghost_keys = ghost_keys
+        self._freq: dict[BlockKey, int] = {}
+
+    def insert(self, key: BlockKey) -> None:
+        if key in self._freq:
+            self.touch(key)
+            return
+        self._freq[key] = 0
+        if self._ghost.pop(key, False) is None:
+            self._main[key] = None
+        else:
+            self._small[key] = None
+
+    def touch(self, key: BlockKey) -> None:
+        freq = self._freq.get(key)
+        if freq is not None:
+            self._freq[key] = min(freq + 1, self._MAX_FREQ)
+
+    def remove(self, key: BlockKey) -> None:
+        if self._freq.pop(key, None) is not None:
+            self._small.pop(key, None)
+            self._main.pop(key, None)
+
+    def evict(self, can_evict: CanEvict) -> BlockKey | None:
+        # Each key is looked at a bounded number of times: at most one move
+        # from small to main and _MAX_FREQ reinsertions in main.
+        budget = (2 + self._MAX_FREQ) * len(self._freq) + 1
+        skipped: list[tuple[OrderedDict[BlockKey, None], BlockKey]] = []
+        victim: BlockKey | None = None
+        while budget > 0 and (self._small or self._main):
+            budget -= 1
+            use_small = self._small and (
+                len(self._small) >= self.small_fraction * len(self._freq) or not self._main
+            )
+            queue = self._small if use_small else self._main
+            key, _ = queue.popitem(last=False)
+            freq = self._freq[key]
+            if not can_evict(key):
+                skipped.append((queue, key))
+                continue
+            if queue is self._small and freq > 0:
+                self._freq[key] = 0
+                self._main[key] = None
+                continue
+            if queue is self._main and freq > 0:
+                self._freq[key] = freq - 1
+                self._main[key] = None
+                continue
+            victim = key
+            break
+        for queue, key in reversed(skipped):
+            queue[key] = None
+            queue.move_to_end(key, last=False)
+        if victim is None:
+            return None
+        del self._freq[victim]
+        self._ghost[victim] = None
+        while len(self._ghost) > self._ghost_keys:
+            self._ghost.popitem(last=False)
+        return victim
+
+    def candidates(self) -> Iterator[BlockKey]:
+        return iter([*self._small, *self._main])
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq
+
+
+class AdmissionPolicy(Protocol):
+    """Decides whether a block is written to a slower tier at all."""
+
+    def admit(self, key: BlockKey) -> bool: ...
+
+
+class AlwaysAdmit:
+    def admit(self, key: BlockKey) -> bool:
+        return True
+
+
+class SeenTwiceAdmit:
+    """Admit a key the second time it is offered within the last
+    ``history_keys`` offers; one-hit blocks never cost a disk write."""
+
+    def __init__(self, history_keys: int = 65536) -> None:
+        self._seen: OrderedDict[BlockKey, None] = OrderedDict()
+        self._history_keys = history_keys
+
+    def admit(self, key: BlockKey) -> bool:
+        if self._seen.pop(key, False) is None:
+            return True
+        self._seen[key] = None
+        while len(self._seen) > self._history_keys:
+            self._seen.popitem(last=False)
+        return False
+
+
+EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": LruPolicy,
+    "s3fifo": S3FifoPolicy,
+}
+ADMISSION_POLICIES: dict[str, Callable[[], AdmissionPolicy]] = {
+    "always": AlwaysAdmit,
+    "seen_twice": SeenTwiceAdmit,
+}
+
+
+def make_eviction_policy(name: str) -> EvictionPolicy:
+    try:
+        return EVICTION_POLICIES[name]()
+    except KeyError:
+        raise ConfigError(
+            f"unknown eviction policy {name!r}; choose one of {sorted(EVICTION_POLICIES)}"
+        ) from None
+
+
+def make_admission_policy(name: str) -> AdmissionPolicy:
+    try:
+        return ADMISSION_POLICIES[name]()
+    except KeyError:
+        raise ConfigError(
+            f"unknown admission policy {name!r}; choose one of {sorted(ADMISSION_POLICIES)}"
+        ) from None
