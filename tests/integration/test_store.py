@@ -1,0 +1,265 @@
+"""TieredStore over real arenas and NVMe directories."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tierstore.config import StoreConfig
+from tierstore.errors import BlockSizeError, KeyFormatError, LayoutError
+from tierstore.keys import BlockKey, KVLayout, chain_keys
+from tierstore.store import TieredStore
+from tierstore.tiers.base import TierName
+from tierstore.tiers.dram import ReserveStatus
+
+from ..conftest import SMALL_LAYOUT
+
+
+def blocks_for(keys: list[BlockKey], size: int) -> list[bytes]:
+    return [np.random.default_rng(int.from_bytes(k[:8], "little")).bytes(size) for k in keys]
+
+
+@pytest.fixture
+def store(store_config):
+    s = TieredStore(store_config())
+    yield s
+    s.close()
+
+
+def test_put_get_lookup(store: TieredStore, layout: KVLayout) -> None:
+    keys = chain_keys(layout, np.arange(8 * 10))
+    data = blocks_for(keys, layout.block_bytes)
+    assert store.put(layout, keys, data) == [True] * 10
+    assert store.get(layout, keys) == data
+    res = store.lookup(layout, keys + chain_keys(layout, np.arange(8) + 999))
+    assert res.num_hits == 10 and set(res.tiers) == {TierName.DRAM}
+
+
+def test_cascade_to_nvme_and_promotion(store: TieredStore, layout: KVLayout) -> None:
+    # 1 MiB of DRAM holds 128 blocks of 8 KiB; store 400.
+    keys = chain_keys(layout, np.arange(8 * 400))
+    data = blocks_for(keys, layout.block_bytes)
+    for i in range(0, 400, 50):
+        assert all(store.put(layout, keys[i : i + 50], data[i : i + 50]))
+    res = store.lookup(layout, keys)
+    assert res.num_hits == 400
+    assert res.tiers[0] == TierName.NVME and res.tiers[-1] == TierName.DRAM
+    assert store.get(layout, keys[:20]) == data[:20]  # promoted back
+    assert store.lookup(layout, keys[:20]).tiers == (TierName.DRAM,) * 20
+    stat = store.stat()
+    assert stat["store"]["promotions"] >= 20 and stat["store"]["spilled_blocks"] >= 272
+    assert stat["tiers"]["nvme"]["num_blocks"] >= 272
+
+
+def test_prefix_spans_tiers_and_stops_at_gap(store: TieredStore, layout: KVLayout) -> None:
+    keys = chain_keys(layout, np.arange(8 * 6))
+    data = blocks_for(keys, layout.block_bytes)
+    store.put(layout, keys, data)
+    assert store.demote(keys[:2]) == 2
+    assert store.drop(keys[3:4]) == 1
+    res = store.lookup(layout, keys)
+    assert res.num_hits == 3 and res.tiers == (TierName.NVME, TierName.NVME, TierName.DRAM)
+    assert store.get(layout, keys) == data[:3]
+
+
+def test_residency_is_answered_by_the_tier(store: TieredStore, layout: KVLayout) -> None:
+    keys = chain_keys(layout, np.arange(8 * 3))
+    store.put(layout, keys, blocks_for(keys, layout.block_bytes))
+    store.demote(keys)
+    assert store.lookup(layout, keys).tiers == (TierName.NVME,) * 3
+    store.drop(keys, tiers=[TierName.NVME])
+    assert store.lookup(layout, keys).num_hits == 0
+    assert store.get(layout, keys) == []
+
+
+def test_restart_serves_what_nvme_holds(store_config, layout: KVLayout) -> None:
+    keys = chain_keys(layout, np.arange(8 * 5))
+    data = blocks_for(keys, layout.block_bytes)
+    with TieredStore(store_config()) as s:
+        s.put(layout, keys, data)
+        s.demote(keys[:3])
+    with TieredStore(store_config()) as s:
+        res = s.lookup(layout, keys)
+        assert res.num_hits == 3 and res.tiers == (TierName.NVME,) * 3
+        assert s.get(layout, keys) == data[:3]
+
+
+def test_dedup_and_two_phase(store: TieredStore, layout: KVLayout) -> None:
+    keys = chain_keys(layout, np.arange(8 * 2))
+    res = store.reserve(layout, keys, owner=3)
+    assert [r.status for r in res] == [ReserveStatus.OK] * 2
+    assert store.lookup(layout, keys).num_hits == 0
+    store.arena.buf[res[0].offset : res[0].offset + layout.block_bytes] = (
+        b"\x07" * layout.block_bytes
+    )
+    assert store.commit(keys[:1], owner=3) == [True]
+    assert store.abort(keys[1:], owner=3) == 1
+    assert store.lookup(layout, keys).num_hits == 1
+    assert store.reserve(layout, keys[:1])[0].status == ReserveStatus.EXISTS
+
+
+def test_pinned_blocks_survive_pressure(store: TieredStore, layout: KVLayout) -> None:
+    keys = chain_keys(layout, np.arange(8 * 300))
+    data = blocks_for(keys, layout.block_bytes)
+    store.put(layout, keys[:10], data[:10])
+    pinned = store.acquire(layout, keys[:10])
+    for i in range(10, 300, 40):
+        store.put(layout, keys[i : i + 40], data[i : i + 40])
+    assert store.lookup(layout, keys[:10]).tiers == (TierName.DRAM,) * 10
+    assert [bytes(store.view(e)) for e in pinned] == data[:10]
+    assert store.release(keys[:10]) == 10
+
+
+def test_background_demoter_keeps_dram_under_high_watermark(store_config, layout) -> None:
+    cfg = store_config(dram_high_watermark=0.5, dram_low_watermark=0.25)
+    with TieredStore(cfg) as s:
+        keys = chain_keys(layout, np.arange(8 * 100))
+        s.put(layout, keys, blocks_for(keys, layout.block_bytes))
+        deadline = time.monotonic() + 10
+        while s.dram.used_bytes() > s.config.dram_high_watermark * cfg.dram_bytes:
+            assert time.monotonic() < deadline, "demoter did not run"
+            time.sleep(0.02)
+        assert s.lookup(layout, keys).num_hits == 100
+
+
+def test_without_nvme_evictions_drop(store_config, layout) -> None:
+    with TieredStore(store_config(nvme_bytes=0)) as s:
+        keys = chain_keys(layout, np.arange(8 * 300))
+        for i in range(0, 300, 50):
+            s.put(layout, keys[i : i + 50], blocks_for(keys[i : i + 50], layout.block_bytes))
+        res = s.lookup(layout, keys)
+        assert res.num_hits == 0  # the oldest blocks are gone, so no prefix
+        assert s.lookup(layout, keys[-50:]).num_hits == 50
+
+
+def test_concurrent_readers_and_writers(store: TieredStore, layout: KVLayout) -> None:
+    keys = chain_keys(layout, np.arange(8 * 200))
+    data = blocks_for(keys, layout.block_bytes)
+    errors: list[str] = []
+
+    def writer(lo: int, hi: int) -> None:
+        for i in range(lo, hi, 10):
+            if not all(store.put(layout, keys[i : i + 10], data[i : i + 10])):
+                errors.append(f"put {i} refused")
+
+    def reader() -> None:
+        # Windows of 20 so that pins never fill the 128-slot arena.
+        for _ in range(10):
+            for lo in range(0, 200, 20):
+                for j, got in enumerate(store.get(layout, keys[lo : lo + 20])):
+                    if got != data[lo + j]:
+                        errors.append(f"block {lo + j} wrong")
+
+    threads = [
+        threading.Thread(target=writer, args=(0, 100)),
+        threading.Thread(target=writer, args=(100, 200)),
+    ]
+    threads += [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    assert store.lookup(layout, keys).num_hits == 200
+    for lo in range(0, 200, 50):  # 200 pinned blocks would not fit the arena at once
+        assert store.get(layout, keys[lo : lo + 50]) == data[lo : lo + 50]
+
+
+def test_bad_input_keeps_what_is_stored(store: TieredStore, layout: KVLayout) -> None:
+    keys = chain_keys(layout, np.arange(8 * 2))
+    data = blocks_for(keys, layout.block_bytes)
+    store.put(layout, keys, data)
+    with pytest.raises(BlockSizeError, match="8192"):
+        store.put(layout, keys, [b"x" * 100, b"y" * 100])
+    with pytest.raises(BlockSizeError, match="expected"):
+        store.put(layout, keys, b"x" * 10)
+    with pytest.raises(KeyFormatError, match="32 bytes"):
+        store.put(layout, [b"short"], data[:1])
+    with pytest.raises(LayoutError, match="unknown layout"):
+        store.layout(b"\x00" * 32)
+    assert store.get(layout, keys) == data
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random put/get/demote/drop/restart against a dict model.
+
+    DRAM is large enough that nothing is evicted by pressure, so the model
+    knows exactly what must be there; restarts lose what was only in DRAM.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        import tempfile
+
+        self.tmp = tempfile.TemporaryDirectory()
+        self.cfg = StoreConfig(
+            dram_bytes=1 << 20,
+            dram_segment_bytes=64 << 10,
+            nvme_dir=self.tmp.name,
+            nvme_bytes=4 << 20,
+            nvme_segment_bytes=64 << 10,
+        )
+        self.store = TieredStore(self.cfg)
+        self.keys = chain_keys(SMALL_LAYOUT, np.arange(8 * 24))
+        self.data = blocks_for(self.keys, SMALL_LAYOUT.block_bytes)
+        self.in_dram: set[int] = set()
+        self.on_nvme: set[int] = set()
+
+    @rule(i=st.integers(0, 23))
+    def put(self, i: int) -> None:
+        self.store.put(SMALL_LAYOUT, [self.keys[i]], [self.data[i]])
+        if i not in self.on_nvme:
+            self.in_dram.add(i)
+
+    @rule(i=st.integers(0, 23))
+    def get(self, i: int) -> None:
+        got = self.store.get(SMALL_LAYOUT, [self.keys[i]])
+        if i in self.in_dram or i in self.on_nvme:
+            assert got == [self.data[i]]
+            self.in_dram.add(i)  # promoted
+        else:
+            assert got == []
+
+    @rule(i=st.integers(0, 23))
+    def demote(self, i: int) -> None:
+        self.store.demote([self.keys[i]])
+        if i in self.in_dram:
+            self.in_dram.discard(i)
+            self.on_nvme.add(i)
+
+    @rule(i=st.integers(0, 23))
+    def drop(self, i: int) -> None:
+        self.store.drop([self.keys[i]])
+        self.in_dram.discard(i)
+        self.on_nvme.discard(i)
+
+    @precondition(lambda self: True)
+    @rule()
+    def restart(self) -> None:
+        self.store.close()
+        self.store = TieredStore(self.cfg)
+        self.in_dram.clear()
+
+    @invariant()
+    def lookup_matches_model(self) -> None:
+        held = [self.store.lookup(SMALL_LAYOUT, [k]).num_hits == 1 for k in self.keys]
+        assert held == [i in self.in_dram or i in self.on_nvme for i in range(24)]
+
+    def teardown(self) -> None:
+        self.store.close()
+        self.tmp.cleanup()
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(
+    max_examples=30,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

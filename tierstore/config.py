@@ -1,0 +1,237 @@
+"""Configuration: frozen dataclasses with units in every name, and a loader
+that layers embedded defaults < TOML file < ``TIERSTORE_*`` environment
+variables < explicit overrides (CLI flags).
+
+TOML may be flat or grouped in tables (``[store]``, ``[server]``, ...); the
+table names are only for reading: every field name is unique across the
+sections. Sizes accept integers or strings such as ``"8GiB"`` or ``"512MB"``;
+durations accept numbers of seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from tierstore.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+ENV_PREFIX = "TIERSTORE_"
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tierstore"
+
+
+def default_runtime_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base):
+        return Path(base) / "tierstore"
+    return default_cache_dir() / "run"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """The tiered store (DRAM arena over NVMe)."""
+
+    dram_bytes: int = 1 << 30  # size of the shared-memory arena
+    dram_segment_bytes: int = 16 << 20  # arena unit handed to one block size
+    dram_high_watermark: float = 0.90  # share of the arena used that wakes the demoter
+    dram_low_watermark: float = 0.75  # the demoter spills until usage is below this share
+    shm_dir: str = "/dev/shm"  # tmpfs directory holding the arena file
+    nvme_dir: str = field(default_factory=lambda: str(default_cache_dir() / "nvme"))
+    nvme_bytes: int = 16 << 30  # budget of the NVMe tier; 0 disables the tier
+    nvme_segment_bytes: int = 64 << 20  # block-file unit handed to one block size
+    nvme_direct_io: bool = True  # O_DIRECT when the filesystem allows it
+    eviction_policy: str = "lru"  # lru | s3fifo, for DRAM and NVMe
+    nvme_admission: str = "always"  # always | seen_twice: which evicted blocks are spilled
+    demote_batch_blocks: int = 32  # blocks spilled per NVMe write batch (one fsync)
+    promote_wait_s: float = 10.0  # longest wait for another thread's promotion of a block
+
+    def __post_init__(self) -> None:
+        if self.dram_bytes <= 0:
+            raise ConfigError(f"dram_bytes must be positive, got {self.dram_bytes}")
+        if self.nvme_bytes < 0:
+            raise ConfigError(f"nvme_bytes must be >= 0, got {self.nvme_bytes}")
+        if not 0.0 < self.dram_low_watermark < self.dram_high_watermark <= 1.0:
+            raise ConfigError(
+                "watermarks must satisfy 0 < dram_low_watermark < dram_high_watermark <= 1, "
+                f"got low={self.dram_low_watermark} high={self.dram_high_watermark}"
+            )
+        if self.demote_batch_blocks < 1:
+            raise ConfigError(f"demote_batch_blocks must be >= 1, got {self.demote_batch_blocks}")
+        if self.promote_wait_s <= 0:
+            raise ConfigError(f"promote_wait_s must be > 0, got {self.promote_wait_s}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The sidecar process: sockets, threads, prefetch, metrics."""
+
+    socket_path: str = field(default_factory=lambda: str(default_runtime_dir() / "tierstore.sock"))
+    metrics_host: str = "127.0.0.1"  # Prometheus endpoint address
+    metrics_port: int = 9477  # Prometheus endpoint port; 0 disables it
+    max_clients: int = 64  # engine processes attached at once (one stream thread each)
+    rpc_threads: int = 16  # threads serving unary calls
+    max_batch_keys: int = 8192  # keys in one control call
+    keepalive_s: float = 5.0  # interval of keep-alive events on a client's Attach stream
+    prefetch_threads: int = 2  # background promotion workers
+    prefetch_queue_max: int = 256  # prefetches waiting to run; more are cancelled
+    prefetch_timeout_base_s: float = 0.05  # PREFETCH_TIMEOUT deadline: base ...
+    prefetch_timeout_per_1k_tokens_s: float = 0.02  # ... plus this per 1000 tokens
+    prefetch_max_wait_s: float = 30.0  # longest a PREFETCH_WAIT call blocks
+    shutdown_grace_s: float = 5.0  # in-flight calls get this long to finish on SIGTERM
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        for name in (
+            "max_clients",
+            "rpc_threads",
+            "max_batch_keys",
+            "prefetch_threads",
+            "prefetch_queue_max",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("keepalive_s", "prefetch_max_wait_s", "shutdown_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if len(self.socket_path.encode()) > 100:
+            raise ConfigError(
+                f"socket_path is {len(self.socket_path.encode())} bytes; Unix sockets allow "
+                f"about 100: {self.socket_path}"
+            )
+
+
+SECTIONS: dict[str, type] = {"store": StoreConfig, "server": ServerConfig}
+
+
+@dataclass(frozen=True)
+class Config:
+    store: StoreConfig = field(default_factory=StoreConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any, name: str = "size") -> int:
+    """``1073741824``, ``"1GiB"``, ``"1.5 GB"`` -> bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    raise ConfigError(f"{name}: cannot read {value!r} as a size (e.g. 4096, '512MiB', '8GB')")
+
+
+def _coerce(name: str, annotation: str, value: Any) -> Any:
+    try:
+        if name.endswith("_bytes"):
+            return parse_bytes(value, name)
+        if annotation == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if annotation == "int":
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if annotation == "float":
+            return float(value)
+        if annotation.startswith("tuple"):
+            if isinstance(value, str):
+                return tuple(v.strip() for v in value.split(",") if v.strip())
+            return tuple(value)
+        if annotation == "str":
+            if not isinstance(value, str | int | float) or isinstance(value, bool):
+                raise ValueError(value)
+            return str(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name}: cannot read {value!r} as {annotation}") from e
+    return value
+
+
+def _field_index() -> dict[str, tuple[str, str]]:
+    index: dict[str, tuple[str, str]] = {}
+    for section, cls in SECTIONS.items():
+        for f in fields(cls):
+            index[f.name] = (section, str(f.type))
+    return index
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Config:
+    """Build the effective Config. Unknown keys are errors, not ignored."""
+    index = _field_index()
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+
+    def put(name: str, value: Any, origin: str) -> None:
+        if name not in index:
+            raise ConfigError(f"{origin}: unknown setting {name!r}; known: {sorted(index)}")
+        section, annotation = index[name]
+        values[section][name] = _coerce(name, annotation, value)
+
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+        for key, value in data.items():
+            if isinstance(value, dict):
+                if key not in SECTIONS:
+                    raise ConfigError(f"{path}: unknown table [{key}]; known: {sorted(SECTIONS)}")
+                for name, inner in value.items():
+                    put(name, inner, f"{path} [{key}]")
+            else:
+                put(key, value, str(path))
+    for var, value in (os.environ if env is None else env).items():
+        if var.startswith(ENV_PREFIX) and var != ENV_PREFIX + "CONFIG":
+            put(var[len(ENV_PREFIX) :].lower(), value, f"environment variable {var}")
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            put(name, value, "command line")
+    return Config(**{s: SECTIONS[s](**values[s]) for s in SECTIONS})
+
+
+def config_to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    return {s: dataclasses.asdict(getattr(config, s)) for s in SECTIONS}

@@ -1,0 +1,454 @@
+"""TieredStore: the DRAM tier over the NVMe tier, the only module that knows
+more than one tier.
+
+Provides batched two-phase writes (``reserve`` / ``commit`` / ``abort``, or
+``put``), prefix ``lookup`` across tiers, ``acquire`` / ``release`` (promote
+to DRAM on hit and pin), forced ``demote`` and ``drop``, ``stat``.
+
+Threads: any number of caller threads; one background *demoter* thread that
+spills least-valuable DRAM blocks to NVMe once DRAM usage passes the high
+watermark, until it is under the low one. A caller that finds DRAM full
+evicts synchronously. Eviction is serialised by one lock; promotions of the
+same key are coalesced (one NVMe read, the others wait for it, bounded by
+``promote_wait_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tierstore.config import StoreConfig
+from tierstore.errors import BlockSizeError, LayoutError
+from tierstore.keys import BlockKey, KVLayout, check_keys
+from tierstore.policies import make_admission_policy, make_eviction_policy
+from tierstore.tiers.arena import Arena
+from tierstore.tiers.base import TierName, TierStats
+from tierstore.tiers.dram import DramEntry, DramTier, ReserveStatus
+from tierstore.tiers.nvme import NvmeTier
+
+log = logging.getLogger(__name__)
+
+STORE_OWNER = 0  # owner id of reservations and pins made by the store itself
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Outcome of reserving one key: OK with the arena offset to write to,
+    EXISTS (the store already holds it: skip the copy), or FULL."""
+
+    key: BlockKey
+    status: ReserveStatus
+    offset: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest contiguous prefix of the asked keys that is available,
+    and the fastest tier holding each of its blocks."""
+
+    num_hits: int
+    tiers: tuple[TierName, ...]
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    lookups: int = 0
+    lookup_keys: int = 0
+    lookup_hit_keys: int = 0
+    promotions: int = 0
+    promotion_failures: int = 0
+    spilled_blocks: int = 0
+    spill_skipped_admission: int = 0
+    spill_failures: int = 0
+    dropped_blocks: int = 0
+
+
+@dataclass(slots=True)
+class _Promotion:
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class TieredStore:
+    """DRAM over NVMe. See the module docstring."""
+
+    def __init__(self, config: StoreConfig, *, arena: Arena | None = None) -> None:
+        self.config = config
+        self.arena = arena if arena is not None else Arena.create(config.dram_bytes, config.shm_dir)
+        try:
+            self.dram = DramTier(
+                self.arena, config.dram_segment_bytes, make_eviction_policy(config.eviction_policy)
+            )
+            self.nvme: NvmeTier | None = None
+            if config.nvme_bytes > 0:
+                self.nvme = NvmeTier(
+                    config.nvme_dir,
+                    config.nvme_bytes,
+                    segment_bytes=config.nvme_segment_bytes,
+                    policy=make_eviction_policy(config.eviction_policy),
+                    direct_io=config.nvme_direct_io,
+                )
+        except BaseException:
+            if arena is None:
+                self.arena.close()
+            raise
+        self._admission = make_admission_policy(config.nvme_admission)
+        self._admission_lock = threading.Lock()
+        self._layouts: dict[bytes, KVLayout] = {}
+        self._layouts_lock = threading.Lock()
+        self.counters = StoreCounters()  # written under _evict_lock or _counters_lock
+        self._counters_lock = threading.Lock()
+        self._evict_lock = threading.Lock()
+        self._promotions: dict[BlockKey, _Promotion] = {}
+        self._promotions_lock = threading.Lock()
+        self._high_bytes = int(config.dram_high_watermark * self.dram.allocator.capacity_bytes)
+        self._low_bytes = int(config.dram_low_watermark * self.dram.allocator.capacity_bytes)
+        self._wake = threading.Condition()
+        self._closing = False
+        self._demoter = threading.Thread(
+            target=self._demote_loop, name="tierstore-demoter", daemon=True
+        )
+        self._demoter.start()
+
+    # -- layouts ----------------------------------------------------------------
+
+    def register_layout(self, layout: KVLayout) -> bytes:
+        with self._layouts_lock:
+            self._layouts.setdefault(layout.fingerprint, layout)
+        return layout.fingerprint
+
+    def layout(self, fingerprint: bytes) -> KVLayout:
+        """The registered layout with this fingerprint, or LayoutError."""
+        with self._layouts_lock:
+            layout = self._layouts.get(bytes(fingerprint))
+        if layout is None:
+            raise LayoutError(
+                f"unknown layout fingerprint {bytes(fingerprint).hex()[:16]}...; register it first"
+            )
+        return layout
+
+    def layouts(self) -> list[KVLayout]:
+        with self._layouts_lock:
+            return list(self._layouts.values())
+
+    # -- writes -------------------------------------------------------------------
+
+    def reserve(
+        self, layout: KVLayout, keys: Sequence[BlockKey], owner: int = STORE_OWNER
+    ) -> list[Reservation]:
+        """Reserve an arena slot per key. The caller writes ``layout.block_bytes``
+        at each OK offset, then ``commit``s (or ``abort``s) with the same owner."""
+        keys = check_keys(keys)
+        fp = self.register_layout(layout)
+        nbytes = layout.block_bytes
+        on_nvme = self.nvme.contains(keys) if self.nvme is not None else [False] * len(keys)
+        out = []
+        for key, elsewhere in zip(keys, on_nvme):
+            if elsewhere:
+                out.append(Reservation(key, ReserveStatus.EXISTS))
+                continue
+            status, entry = self.dram.reserve(key, fp, nbytes, owner)
+            if status == ReserveStatus.FULL and self._make_room(nbytes):
+                status, entry = self.dram.reserve(key, fp, nbytes, owner)
+            offset = entry.offset if status == ReserveStatus.OK and entry is not None else -1
+            out.append(Reservation(key, status, offset))
+        return out
+
+    def commit(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> list[bool]:
+        done = self.dram.commit(check_keys(keys), owner)
+        self._maybe_wake_demoter()
+        return done
+
+    def abort(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> int:
+        return self.dram.abort(check_keys(keys), owner)
+
+    def put(
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        blocks: Any,
+    ) -> list[bool]:
+        """Store blocks given as one buffer of ``len(keys) * block_bytes`` bytes
+        or as one buffer per key. Returns whether each key is held afterwards."""
+        keys = check_keys(keys)
+        views = _split_blocks(layout, keys, blocks)
+        held = []
+        reservations = self.reserve(layout, keys)
+        for res, view in zip(reservations, views):
+            if res.status == ReserveStatus.OK:
+                self.arena.buf[res.offset : res.offset + len(view)] = view
+        self.commit([r.key for r in reservations if r.status == ReserveStatus.OK])
+        for res in reservations:
+            held.append(res.status != ReserveStatus.FULL)
+        return held
+
+    # -- reads --------------------------------------------------------------------
+
+    def lookup(self, layout: KVLayout, keys: Sequence[BlockKey]) -> LookupResult:
+        """Longest available prefix of ``keys`` and the tier of each block.
+        Asks each tier now; nothing is remembered from earlier answers."""
+        keys = check_keys(keys)
+        self.register_layout(layout)
+        in_dram = self.dram.contains(keys)
+        first_miss = in_dram.index(False) if False in in_dram else len(keys)
+        tiers = [TierName.DRAM] * first_miss
+        if first_miss < len(keys) and self.nvme is not None:
+            for held_dram, held_nvme in zip(
+                in_dram[first_miss:], self.nvme.contains(keys[first_miss:])
+            ):
+                if held_dram:
+                    tiers.append(TierName.DRAM)
+                elif held_nvme:
+                    tiers.append(TierName.NVME)
+                else:
+                    break
+        with self._counters_lock:
+            self.counters.lookups += 1
+            self.counters.lookup_keys += len(keys)
+            self.counters.lookup_hit_keys += len(tiers)
+        return LookupResult(len(tiers), tuple(tiers))
+
+    def acquire(
+        self, layout: KVLayout, keys: Sequence[BlockKey], owner: int = STORE_OWNER
+    ) -> list[DramEntry]:
+        """Pin the longest available prefix of ``keys`` in DRAM, promoting
+        blocks from NVMe as needed. The caller reads each entry's bytes via
+        ``view`` and must ``release`` the returned keys with the same owner."""
+        keys = check_keys(keys)
+        self.register_layout(layout)
+        pinned = self.dram.pin(keys, owner)
+        result: list[DramEntry] = []
+        for i, (key, entry) in enumerate(zip(keys, pinned)):
+            if entry is None:
+                entry = self._promote(layout, key, owner)
+            if entry is None:
+                rest = [k for k, e in zip(keys[i + 1 :], pinned[i + 1 :]) if e is not None]
+                self.dram.unpin(rest, owner)
+                break
+            result.append(entry)
+        return result
+
+    def release(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> int:
+        return self.dram.unpin(keys, owner)
+
+    def view(self, entry: DramEntry) -> memoryview:
+        return self.dram.view(entry)
+
+    def get(self, layout: KVLayout, keys: Sequence[BlockKey]) -> list[bytes]:
+        """Copies of the longest available prefix of blocks (tests, tools)."""
+        entries = self.acquire(layout, keys)
+        try:
+            return [bytes(self.dram.view(e)) for e in entries]
+        finally:
+            self.release([e.key for e in entries])
+
+    def release_owner(self, owner: int) -> tuple[int, int]:
+        """Free everything a dead client held: (reservations aborted, pins dropped)."""
+        return self.dram.release_owner(owner)
+
+    # -- moving blocks down -------------------------------------------------------
+
+    def demote(self, keys: Sequence[BlockKey]) -> int:
+        """Move committed, unpinned blocks out of DRAM now (spilled to NVMe
+        when admitted). Returns how many left DRAM."""
+        with self._evict_lock:
+            return self._spill(self.dram.take(check_keys(keys)))
+
+    def drop(
+        self, keys: Sequence[BlockKey], tiers: Sequence[TierName] = (TierName.DRAM, TierName.NVME)
+    ) -> int:
+        """Remove blocks from the given tiers without spilling (unpinned ones)."""
+        keys = check_keys(keys)
+        n = 0
+        if TierName.DRAM in tiers:
+            n += self.dram.remove(keys)
+        if TierName.NVME in tiers and self.nvme is not None:
+            n += self.nvme.remove(keys)
+        return n
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict synchronously until a slot of ``nbytes`` fits. False if it cannot."""
+        with self._evict_lock:
+            while not self.dram.can_fit(nbytes):
+                victims = self._take_victims(nbytes)
+                if not victims:
+                    return False
+                self._spill(victims)
+            return True
+
+    def _take_victims(self, want_bytes: int) -> list[DramEntry]:
+        victims: list[DramEntry] = []
+        freed = 0
+        while freed < want_bytes and len(victims) < self.config.demote_batch_blocks:
+            victim = self.dram.take_victim()
+            if victim is None:
+                break
+            victims.append(victim)
+            freed += victim.nbytes
+        return victims
+
+    def _spill(self, victims: list[DramEntry]) -> int:
+        """Write victims to NVMe (unless already there or not admitted), then
+        free their DRAM slots. Caller holds ``_evict_lock``."""
+        if not victims:
+            return 0
+        if self.nvme is not None:
+            held = self.nvme.contains([v.key for v in victims])
+            to_write = []
+            with self._admission_lock:
+                for victim, present in zip(victims, held):
+                    if present:
+                        continue
+                    if self._admission.admit(victim.key):
+                        to_write.append(victim)
+                    else:
+                        self.counters.spill_skipped_admission += 1
+            if to_write:
+                ok = self.nvme.write_many(
+                    [(v.key, v.layout_fp, self.dram.view(v)) for v in to_write]
+                )
+                written = sum(ok)
+                self.counters.spilled_blocks += written
+                self.counters.spill_failures += len(ok) - written
+        dropped = 0
+        for victim in victims:
+            dropped += self.dram.drop(victim)
+        self.counters.dropped_blocks += dropped
+        return dropped
+
+    def _maybe_wake_demoter(self) -> None:
+        if self.dram.used_bytes() > self._high_bytes:
+            with self._wake:
+                self._wake.notify()
+
+    def _demote_loop(self) -> None:
+        while True:
+            with self._wake:
+                if self._closing:
+                    return
+                if self.dram.used_bytes() <= self._high_bytes:
+                    self._wake.wait(timeout=1.0)
+                if self._closing:
+                    return
+            while self.dram.used_bytes() > self._low_bytes and not self._closing:
+                with self._evict_lock:
+                    victims = self._take_victims(self.dram.used_bytes() - self._low_bytes)
+                    if not victims:
+                        break
+                    self._spill(victims)
+
+    # -- moving blocks up -----------------------------------------------------------
+
+    def _promote(self, layout: KVLayout, key: BlockKey, owner: int) -> DramEntry | None:
+        """Read ``key`` from NVMe into a DRAM slot and pin it for ``owner``."""
+        if self.nvme is None:
+            return None
+        with self._promotions_lock:
+            running = self._promotions.get(key)
+            if running is None:
+                self._promotions[key] = _Promotion()
+        if running is not None:
+            running.done.wait(self.config.promote_wait_s)
+            return self.dram.pin([key], owner)[0]
+        try:
+            return self._promote_now(layout, key, owner)
+        finally:
+            with self._promotions_lock:
+                self._promotions.pop(key).done.set()
+
+    def _promote_now(self, layout: KVLayout, key: BlockKey, owner: int) -> DramEntry | None:
+        if not self.nvme or not self.nvme.contains([key])[0]:
+            return None
+        nbytes = layout.block_bytes
+        status, entry = self.dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
+        if status == ReserveStatus.FULL and self._make_room(nbytes):
+            status, entry = self.dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
+        if status == ReserveStatus.EXISTS:
+            return self.dram.pin([key], owner)[0]
+        if status != ReserveStatus.OK or entry is None:
+            with self._counters_lock:
+                self.counters.promotion_failures += 1
+            return None
+        slot = self.arena.view(entry.offset, self.dram.allocator.slot_bytes(nbytes))
+        got = self.nvme.read_into(key, slot)
+        if got != nbytes:
+            self.dram.abort([key], STORE_OWNER)
+            with self._counters_lock:
+                self.counters.promotion_failures += 1
+            return None
+        self.dram.commit([key], STORE_OWNER, pin_for=owner)
+        with self._counters_lock:
+            self.counters.promotions += 1
+        self._maybe_wake_demoter()
+        return entry
+
+    # -- inspection -------------------------------------------------------------------
+
+    def stat(self) -> dict[str, Any]:
+        tiers: dict[str, TierStats] = {str(TierName.DRAM): self.dram.stats()}
+        if self.nvme is not None:
+            tiers[str(TierName.NVME)] = self.nvme.stats()
+        return {
+            "tiers": {name: s.to_dict() for name, s in tiers.items()},
+            "store": {
+                name: getattr(self.counters, name) for name in self.counters.__dataclass_fields__
+            },
+            "layouts": len(self._layouts),
+        }
+
+    def close(self) -> None:
+        """Stop the demoter, close NVMe (index flushed) and the arena. Idempotent."""
+        with self._wake:
+            if self._closing:
+                return
+            self._closing = True
+            self._wake.notify_all()
+        self._demoter.join(timeout=30)
+        with self._evict_lock:
+            if self.nvme is not None:
+                self.nvme.close()
+            self.dram.close()
+            self.arena.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def as_byte_view(obj: Any) -> memoryview:
+    """A flat, zero-copy byte view of a buffer, numpy array or CPU torch tensor."""
+    if type(obj).__module__.startswith("torch"):
+        import torch  # only when a tensor is passed: the store itself needs no torch
+
+        obj = obj.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    view = memoryview(obj)
+    if not view.c_contiguous:
+        raise BlockSizeError("block buffers must be contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _split_blocks(layout: KVLayout, keys: Sequence[BlockKey], blocks: Any) -> list[memoryview]:
+    """Per-key views of ``blocks``; raises BlockSizeError before anything is stored."""
+    size = layout.block_bytes
+    if isinstance(blocks, list | tuple):
+        if len(blocks) != len(keys):
+            raise BlockSizeError(f"{len(blocks)} blocks given for {len(keys)} keys")
+        views = [as_byte_view(b) for b in blocks]
+        for i, v in enumerate(views):
+            if v.nbytes != size:
+                raise BlockSizeError(
+                    f"block {i} has {v.nbytes} bytes; layout {layout.model!r} needs {size}"
+                )
+        return views
+    view = as_byte_view(blocks)
+    if view.nbytes != size * len(keys):
+        raise BlockSizeError(
+            f"{view.nbytes} bytes given for {len(keys)} blocks of {size} bytes "
+            f"(layout {layout.model!r}); expected {size * len(keys)}"
+        )
+    return [view[i * size : (i + 1) * size] for i in range(len(keys))]
