@@ -113,8 +113,12 @@ def bench_nvme(directory: str, total_bytes: int) -> tuple[float, float, float, b
         for p in sorted(root.rglob("*"), reverse=True):
             p.rmdir() if p.is_dir() else p.unlink()
         root.rmdir()
-    return (total_bytes / write_s / GB, total_bytes / read_s / GB,
-            total_bytes / read2_s / GB, direct)
+    return (
+        total_bytes / write_s / GB,
+        total_bytes / read_s / GB,
+        total_bytes / read2_s / GB,
+        direct,
+    )
 
 
 def bench_hash(num_tokens: int = 200_000) -> float:

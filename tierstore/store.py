@@ -79,15 +79,18 @@ class TieredStore:
         self.config = config
         self.arena = arena if arena is not None else Arena.create(config.dram_bytes, config.shm_dir)
         try:
+            # A tier smaller than one segment is one segment (small test and demo stores).
             self.dram = DramTier(
-                self.arena, config.dram_segment_bytes, make_eviction_policy(config.eviction_policy)
+                self.arena,
+                min(config.dram_segment_bytes, self.arena.size_bytes),
+                make_eviction_policy(config.eviction_policy),
             )
             self.nvme: NvmeTier | None = None
             if config.nvme_bytes > 0:
                 self.nvme = NvmeTier(
                     config.nvme_dir,
                     config.nvme_bytes,
-                    segment_bytes=config.nvme_segment_bytes,
+                    segment_bytes=min(config.nvme_segment_bytes, config.nvme_bytes // 4096 * 4096),
                     policy=make_eviction_policy(config.eviction_policy),
                     direct_io=config.nvme_direct_io,
                 )

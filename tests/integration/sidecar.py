@@ -1,0 +1,71 @@
+"""Start and stop real `tierstore serve` processes for integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class SidecarProcess:
+    """A `tierstore serve` child with small tiers in ``root``."""
+
+    def __init__(self, root: Path, *extra: str, dram: str = "1MiB", nvme: str = "8MiB") -> None:
+        self.root = root
+        self.socket = root / "s.sock"
+        self.nvme_dir = root / "nvme"
+        self.args = [
+            sys.executable,
+            "-m",
+            "tierstore.cli",
+            "serve",
+            "--socket",
+            str(self.socket),
+            "--nvme-dir",
+            str(self.nvme_dir),
+            "--dram-bytes",
+            dram,
+            "--nvme-bytes",
+            nvme,
+            "--metrics-port",
+            "0",
+            "--set",
+            "dram_segment_bytes=64KiB",
+            "--set",
+            "nvme_segment_bytes=64KiB",
+            *extra,
+        ]
+        self.log = open(root / "sidecar.log", "ab")
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.wait_ready()
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.socket.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited {self.proc.returncode}: {self.output()}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise TimeoutError(f"sidecar not ready in {timeout_s}s: {self.output()}")
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        self.log.flush()
+        return (self.root / "sidecar.log").read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode

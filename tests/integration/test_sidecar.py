@@ -1,0 +1,228 @@
+"""A real `tierstore serve` driven by StoreClient from this and other processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore.client import StoreClient
+from tierstore.keys import BlockKey, KVLayout, chain_keys
+from tierstore.tiers.base import TierName
+
+from ..conftest import SMALL_LAYOUT
+from .sidecar import REPO, SidecarProcess
+
+DRAM, NVME, HBM = TierName.DRAM, TierName.NVME, TierName.HBM
+
+
+def blocks(n: int, seed: int = 0, layout: KVLayout = SMALL_LAYOUT) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, layout.block_bytes), dtype=torch.uint8, generator=gen)
+
+
+def keys_for(n: int, start: int = 0) -> list[BlockKey]:
+    return chain_keys(SMALL_LAYOUT, np.arange(start, start + 8 * n))
+
+
+@pytest.fixture
+def sidecar(tmp_path):
+    proc = SidecarProcess(tmp_path)
+    yield proc
+    proc.stop()
+
+
+def test_round_trip_from_dram_and_nvme(sidecar: SidecarProcess) -> None:
+    keys, data = keys_for(300), blocks(300)
+    with StoreClient(str(sidecar.socket)) as client:
+        # 1 MiB of DRAM holds 128 blocks of 8 KiB: the oldest spill to NVMe.
+        for lo in range(0, 300, 50):
+            assert all(client.store(SMALL_LAYOUT, keys[lo : lo + 50], data[lo : lo + 50]))
+        found = client.lookup(SMALL_LAYOUT, keys)
+        assert found.num_hits == 300
+        assert found.tiers[0] == NVME and found.tiers[-1] == DRAM
+        first_tiers = []
+        for lo in range(0, 300, 50):
+            res = client.load(SMALL_LAYOUT, keys[lo : lo + 50])
+            assert res.num_blocks == 50
+            assert torch.equal(res.blocks, data[lo : lo + 50])
+            first_tiers.append(res.tiers[0])
+        assert first_tiers[0] == NVME
+        assert client.load(SMALL_LAYOUT, keys[-10:]).tiers == (DRAM,) * 10  # just promoted
+        stat = client.stat()
+        assert stat.counters["promotions"] >= 50 and stat.counters["spilled_blocks"] >= 172
+
+
+def test_cascade_hbm_dram_nvme_and_back(sidecar: SidecarProcess) -> None:
+    keys, data = keys_for(300), blocks(300, seed=1)
+    with StoreClient(str(sidecar.socket), hbm_bytes=256 << 10) as client:  # 32 blocks of HBM
+        for lo in range(0, 300, 20):
+            assert all(client.store(SMALL_LAYOUT, keys[lo : lo + 20], data[lo : lo + 20]))
+        tiers = client.lookup(SMALL_LAYOUT, keys).tiers
+        assert len(tiers) == 300
+        assert tiers[0] == NVME and DRAM in tiers and tiers[-1] == HBM
+        assert tiers.count(HBM) == 32
+        for lo in range(0, 300, 25):
+            res = client.load(SMALL_LAYOUT, keys[lo : lo + 25])
+            assert res.num_blocks == 25 and torch.equal(res.blocks, data[lo : lo + 25])
+        # Loaded blocks were promoted into HBM: the last ones read now hit there.
+        assert client.lookup(SMALL_LAYOUT, keys[-25:]).tiers == (HBM,) * 25
+        assert client.hbm is not None and client.hbm.stats().evictions > 0
+
+
+def test_blocks_are_shared_between_client_processes(sidecar: SidecarProcess) -> None:
+    keys, data = keys_for(10, start=5000), blocks(10, seed=2)
+    code = f"""
+import numpy as np, torch
+from tierstore.client import StoreClient
+from tierstore.keys import KVLayout, chain_keys
+layout = KVLayout("test-model", 2, 2, 64, "float16", 8)
+keys = chain_keys(layout, np.arange(5000, 5000 + 80))
+gen = torch.Generator().manual_seed(2)
+data = torch.randint(0, 256, (10, layout.block_bytes), dtype=torch.uint8, generator=gen)
+with StoreClient({str(sidecar.socket)!r}, name="writer") as c:
+    assert all(c.store(layout, keys, data))
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=REPO)
+    with StoreClient(str(sidecar.socket), name="reader") as client:
+        res = client.load(SMALL_LAYOUT, keys)
+        assert res.num_blocks == 10 and torch.equal(res.blocks, data)
+
+
+def test_residency_truth_after_eviction(sidecar: SidecarProcess) -> None:
+    """A block that left a tier is reported absent there, never remembered."""
+    keys, data = keys_for(4, start=9000), blocks(4, seed=3)
+    filler_keys, filler = keys_for(200, start=20000), blocks(200, seed=4)
+    with StoreClient(str(sidecar.socket), hbm_bytes=64 << 10) as client:  # 8 blocks of HBM
+        client.store(SMALL_LAYOUT, keys, data)
+        assert client.lookup(SMALL_LAYOUT, keys).tiers == (HBM,) * 4
+        for lo in range(0, 200, 20):  # push them out of HBM, then out of DRAM
+            client.store(SMALL_LAYOUT, filler_keys[lo : lo + 20], filler[lo : lo + 20])
+        assert client.lookup(SMALL_LAYOUT, keys).tiers == (NVME,) * 4
+        res = client.load(SMALL_LAYOUT, keys)
+        assert torch.equal(res.blocks, data) and res.tiers == (NVME,) * 4
+        assert client.lookup(SMALL_LAYOUT, keys).tiers == (HBM,) * 4
+
+
+def test_prefetch_policies(sidecar: SidecarProcess) -> None:
+    keys, data = keys_for(200, start=40000), blocks(200, seed=5)
+    with StoreClient(str(sidecar.socket)) as client:
+        for lo in range(0, 200, 50):
+            client.store(SMALL_LAYOUT, keys[lo : lo + 50], data[lo : lo + 50])
+        cold = keys[:40]  # spilled to NVMe by the later stores
+        assert client.lookup(SMALL_LAYOUT, cold).tiers == (NVME,) * 40
+
+        done = client.prefetch(SMALL_LAYOUT, cold, "wait")
+        assert not isinstance(done, Future)
+        assert (done.outcome, done.ready_blocks, done.available_blocks) == ("done", 40, 40)
+        assert client.lookup(SMALL_LAYOUT, cold).tiers == (DRAM,) * 40
+
+        for lo in range(50, 200, 50):  # push them back out
+            client.store(SMALL_LAYOUT, keys[lo : lo + 50], data[lo : lo + 50])
+        client.load(SMALL_LAYOUT, keys[100:200])
+        assert client.lookup(SMALL_LAYOUT, cold).tiers[0] == NVME
+        late = client.prefetch(SMALL_LAYOUT, cold, "timeout", timeout_s=1e-6)
+        assert not isinstance(late, Future)
+        assert late.outcome == "late" and late.ready_blocks < 40
+
+        fut = client.prefetch(SMALL_LAYOUT, keys[:60], "best_effort")
+        assert isinstance(fut, Future)
+        assert fut.result(timeout=30).ready_blocks == 60
+        assert client.lookup(SMALL_LAYOUT, keys[:60]).tiers == (DRAM,) * 60
+
+        missing = client.prefetch(SMALL_LAYOUT, keys_for(5, start=123456), "wait")
+        assert not isinstance(missing, Future)
+        assert missing.available_blocks == 0 and missing.ready_blocks == 0
+        counters = client.stat().counters
+        assert counters["prefetch_done"] >= 3 and counters["prefetch_late"] == 1
+
+
+def test_stat_cli_and_json(sidecar: SidecarProcess) -> None:
+    with StoreClient(str(sidecar.socket), name="stat-test") as client:
+        client.store(SMALL_LAYOUT, keys_for(3), blocks(3))
+        cli = [sys.executable, "-m", "tierstore.cli", "stat", "--socket", str(sidecar.socket)]
+        table = subprocess.run(
+            cli, capture_output=True, text=True, timeout=60, cwd=REPO, check=True
+        ).stdout
+        assert "dram" in table and "nvme" in table and "stat-test" in table
+        stat = json.loads(
+            subprocess.run(
+                [*cli, "--json"], capture_output=True, text=True, timeout=60, cwd=REPO, check=True
+            ).stdout
+        )
+        dram = next(t for t in stat["tiers"] if t["name"] == "dram")
+        assert int(dram["num_blocks"]) == 3 and len(stat["clients"]) == 1
+
+
+def test_second_sidecar_is_refused(sidecar: SidecarProcess, tmp_path) -> None:
+    dup = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierstore.cli",
+            "serve",
+            "--socket",
+            str(sidecar.socket),
+            "--nvme-dir",
+            str(tmp_path / "other"),
+            "--metrics-port",
+            "0",
+            "--dram-bytes",
+            "1MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert dup.returncode != 0 and "served by another tierstore process" in dup.stderr
+    other = tmp_path / "other-sock"
+    other.mkdir()
+    dup = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierstore.cli",
+            "serve",
+            "--socket",
+            str(other / "s.sock"),
+            "--nvme-dir",
+            str(sidecar.nvme_dir),
+            "--metrics-port",
+            "0",
+            "--dram-bytes",
+            "1MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert dup.returncode != 0 and "in use by another tierstore process" in dup.stderr
+    with StoreClient(str(sidecar.socket)) as client:  # the first one still serves
+        assert client.stat().version
+
+
+def test_sigterm_shuts_down_cleanly_and_restart_keeps_nvme(tmp_path) -> None:
+    keys, data = keys_for(200, start=70000), blocks(200, seed=6)
+    proc = SidecarProcess(tmp_path)
+    with StoreClient(str(proc.socket)) as client:
+        for lo in range(0, 200, 50):
+            client.store(SMALL_LAYOUT, keys[lo : lo + 50], data[lo : lo + 50])
+        on_nvme = [i for i, t in enumerate(client.lookup(SMALL_LAYOUT, keys).tiers) if t == NVME]
+    assert on_nvme[:10] == list(range(10))
+    assert proc.stop() == 0
+    assert not proc.socket.exists()
+    proc = SidecarProcess(tmp_path)
+    try:
+        with StoreClient(str(proc.socket)) as client:
+            res = client.load(SMALL_LAYOUT, keys[: len(on_nvme)])
+            assert res.num_blocks == len(on_nvme)
+            assert torch.equal(res.blocks[: res.num_blocks], data[: len(on_nvme)])
+    finally:
+        proc.stop()

@@ -1,0 +1,61 @@
+"""Config: defaults, TOML < env < overrides, sizes, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierstore.config import ConfigError, load_config, parse_bytes
+
+
+def test_defaults_need_no_file() -> None:
+    cfg = load_config(env={})
+    assert cfg.store.dram_bytes == 1 << 30 and cfg.server.socket_path.endswith("tierstore.sock")
+    assert cfg.store.nvme_dir.endswith("nvme")
+
+
+def test_precedence_toml_env_overrides(tmp_path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text('dram_bytes = "2GiB"\n[server]\nmetrics_port = 1234\nkeepalive_s = 3\n')
+    cfg = load_config(path, env={})
+    assert cfg.store.dram_bytes == 2 << 30 and cfg.server.metrics_port == 1234
+    cfg = load_config(path, env={"TIERSTORE_METRICS_PORT": "4321", "OTHER": "x"})
+    assert cfg.server.metrics_port == 4321 and cfg.server.keepalive_s == 3.0
+    cfg = load_config(path, env={"TIERSTORE_METRICS_PORT": "4321"}, overrides={"metrics_port": 0})
+    assert cfg.server.metrics_port == 0
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(4096, 4096), ("4096", 4096), ("1KiB", 1024), ("1.5 GB", 1_500_000_000), ("8gib", 8 << 30)],
+)
+def test_sizes(value, expected) -> None:
+    assert parse_bytes(value) == expected
+
+
+@pytest.mark.parametrize(
+    "setup, needle",
+    [
+        ({"overrides": {"dram_bytes": "lots"}}, "dram_bytes"),
+        ({"overrides": {"no_such": 1}}, "unknown setting 'no_such'"),
+        ({"env": {"TIERSTORE_NVME_DIRECT_IO": "maybe"}}, "nvme_direct_io"),
+        ({"overrides": {"dram_low_watermark": 0.95}}, "watermarks"),
+        ({"overrides": {"metrics_port": 70000}}, "metrics_port"),
+        ({"overrides": {"socket_path": "/tmp/" + "x" * 120}}, "socket_path"),
+    ],
+)
+def test_bad_values_name_the_setting(setup, needle) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(env=setup.get("env", {}), overrides=setup.get("overrides"))
+
+
+def test_bad_files(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.toml", env={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("dram_bytes = = 3")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad, env={})
+    table = tmp_path / "table.toml"
+    table.write_text("[nope]\nx = 1\n")
+    with pytest.raises(ConfigError, match=r"unknown table \[nope\]"):
+        load_config(table, env={})

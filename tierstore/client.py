@@ -1,0 +1,524 @@
+"""StoreClient: the engine's handle on its host's sidecar.
+
+Control calls go over the sidecar's Unix socket (gRPC), batched: one call
+per batch of keys, never one per block. Block bytes never cross the socket:
+the client maps the sidecar's shared arena and copies between it and device
+memory (with CUDA the arena is registered as pinned memory and copies run on
+a side stream). An optional HBM tier (``hbm_bytes``) keeps recently stored
+and loaded blocks in a device pool and writes its LRU victims down to the
+sidecar.
+
+Operations: ``register``, ``store``, ``load``, ``lookup``, ``acquire`` /
+``release`` (zero-copy views into the arena), ``prefetch``, ``flush``,
+``stat``, ``close``.
+
+Runs in the engine process. A client may be used from several threads; the
+HBM pool's writes are serialised by one lock.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from tierstore import cuda
+from tierstore.config import load_config
+from tierstore.errors import BlockSizeError, LayoutError, TierstoreError
+from tierstore.hbm import HbmEntry, HbmTier
+from tierstore.keys import BlockKey, KVLayout, check_keys
+from tierstore.tiers.arena import Arena
+from tierstore.tiers.base import TierName
+from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
+
+TIER_BY_CODE = {1: TierName.HBM, 2: TierName.DRAM, 3: TierName.NVME, 4: TierName.PEER}
+POLICY_CODES = {
+    "best_effort": local_pb2.PREFETCH_BEST_EFFORT,
+    "wait": local_pb2.PREFETCH_WAIT,
+    "timeout": local_pb2.PREFETCH_TIMEOUT,
+}
+OUTCOME_NAMES = {0: "started", 1: "done", 2: "late", 3: "cancelled"}
+
+
+class SidecarUnavailable(TierstoreError, ConnectionError):
+    """The sidecar cannot be reached (not running, wrong socket, gone)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLookup:
+    num_hits: int
+    tiers: tuple[TierName, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """``blocks[:num_blocks]`` holds the loaded prefix, one row per block."""
+
+    num_blocks: int
+    tiers: tuple[TierName, ...]
+    blocks: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    outcome: str  # started | done | late | cancelled
+    ready_blocks: int
+    available_blocks: int
+
+
+class Pinned:
+    """Blocks pinned in the arena; ``views[i]`` is a zero-copy uint8 tensor.
+    Release them (or use ``with``) so the sidecar may evict them again."""
+
+    def __init__(
+        self, client: StoreClient, layout: KVLayout, keys: list[BlockKey], offsets: list[int]
+    ) -> None:
+        self.client = client
+        self.layout = layout
+        self.keys = keys
+        self.offsets = offsets
+        n = layout.block_bytes
+        self.views = [client.arena_tensor[o : o + n] for o in offsets]
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.views = []
+            self.client._release(self.layout, self.keys)
+
+    def __enter__(self) -> Pinned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _rpc_error(e: grpc.RpcError, what: str) -> TierstoreError:
+    code = e.code() if hasattr(e, "code") else None
+    detail = e.details() if hasattr(e, "details") else str(e)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return SidecarUnavailable(f"{what}: sidecar unavailable: {detail}")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return LayoutError(f"{what}: {detail}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return SidecarUnavailable(f"{what}: no answer within the deadline")
+    return TierstoreError(f"{what}: {code.name if code else 'error'}: {detail}")
+
+
+def as_block_rows(layout: KVLayout, num_blocks: int, blocks: Any) -> list[torch.Tensor]:
+    """One flat uint8 tensor per block from a tensor/array/buffer holding
+    ``num_blocks`` blocks, or from a list of per-block ones. Zero-copy where
+    the input is contiguous; raises BlockSizeError before anything is stored."""
+    size = layout.block_bytes
+    if isinstance(blocks, list | tuple):
+        if len(blocks) != num_blocks:
+            raise BlockSizeError(f"{len(blocks)} blocks given for {num_blocks} keys")
+        rows = [_flat_bytes(b) for b in blocks]
+        for i, row in enumerate(rows):
+            if row.numel() != size:
+                raise BlockSizeError(f"block {i} has {row.numel()} bytes; the layout needs {size}")
+        return rows
+    flat = _flat_bytes(blocks)
+    if flat.numel() != size * num_blocks:
+        raise BlockSizeError(
+            f"{flat.numel()} bytes given for {num_blocks} blocks of {size} bytes; "
+            f"expected {size * num_blocks}"
+        )
+    return list(flat.view(num_blocks, size)) if num_blocks else []
+
+
+def _flat_bytes(obj: Any) -> torch.Tensor:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        return t.reshape(-1).view(torch.uint8)
+    arr = (
+        np.ascontiguousarray(
+            np.frombuffer(obj, dtype=np.uint8) if not isinstance(obj, np.ndarray) else obj
+        )
+        .reshape(-1)
+        .view(np.uint8)
+    )
+    return torch.from_numpy(arr)
+
+
+class StoreClient:
+    """See the module docstring. Use as a context manager or call ``close``."""
+
+    def __init__(
+        self,
+        socket_path: str | None = None,
+        *,
+        name: str = "",
+        hbm_bytes: int = 0,
+        device: Any = "cpu",
+        connect_timeout_s: float = 10.0,
+        call_timeout_s: float = 60.0,
+    ) -> None:
+        self.socket_path = socket_path or load_config().server.socket_path
+        self.call_timeout_s = call_timeout_s
+        self.device = torch.device(device)
+        self._channel = grpc.insecure_channel(
+            f"unix:{self.socket_path}",
+            options=[
+                ("grpc.max_receive_message_length", 4 << 20),
+                ("grpc.max_send_message_length", 4 << 20),
+            ],
+        )
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            self._channel.close()
+            raise SidecarUnavailable(
+                f"no tierstore sidecar answers on unix:{self.socket_path} within "
+                f"{connect_timeout_s}s; start one with `tierstore serve`"
+            ) from None
+        self._stub = local_pb2_grpc.LocalServiceStub(self._channel)
+        self._attach = self._stub.Attach(
+            local_pb2.AttachRequest(client_name=name or f"pid-{os.getpid()}", pid=os.getpid())
+        )
+        try:
+            hello = next(self._attach)
+        except grpc.RpcError as e:
+            self._channel.close()
+            raise _rpc_error(e, "attach") from e
+        self.client_id = hello.client_id
+        self.max_batch_keys = hello.max_batch_keys or 4096
+        self.server_version = hello.server_version
+        self.arena = Arena.attach(hello.arena_path, hello.arena_bytes)
+        self.arena_tensor = torch.frombuffer(self.arena.buf, dtype=torch.uint8)
+        self._pinned_host = False
+        self._stream = None
+        if cuda.available(self.device):
+            self._pinned_host = cuda.register_host(self.arena_tensor)
+            self._stream = cuda.copy_stream(self.device)
+        self.hbm = HbmTier(hbm_bytes, self.device) if hbm_bytes > 0 else None
+        self._hbm_lock = threading.Lock()
+        self._layouts: dict[bytes, KVLayout] = {}
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-client")
+        self.connected = True
+        self._watcher = threading.Thread(target=self._watch, name="tierstore-attach", daemon=True)
+        self._watcher.start()
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        try:
+            for _ in self._attach:
+                pass
+        except grpc.RpcError:
+            pass
+        self.connected = False
+
+    def _call(self, method: Any, request: Any, what: str) -> Any:
+        try:
+            return method(request, timeout=self.call_timeout_s)
+        except grpc.RpcError as e:
+            raise _rpc_error(e, what) from e
+
+    def _batches(self, keys: list[BlockKey]) -> Iterator[list[BlockKey]]:
+        for lo in range(0, len(keys), self.max_batch_keys):
+            yield keys[lo : lo + self.max_batch_keys]
+
+    def _req(self, layout: KVLayout, keys: Sequence[BlockKey]) -> local_pb2.KeysRequest:
+        return local_pb2.KeysRequest(
+            client_id=self.client_id, layout_id=self.register(layout), keys=b"".join(keys)
+        )
+
+    def _sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)
+
+    def register(self, layout: KVLayout) -> bytes:
+        """Tell the sidecar about a layout (once per layout per client)."""
+        fp = layout.fingerprint
+        if fp not in self._layouts:
+            reply = self._call(
+                self._stub.RegisterLayout,
+                local_pb2.RegisterLayoutRequest(layout=common_pb2.Layout(**layout.to_dict())),
+                "register layout",
+            )
+            if reply.layout_id != fp:
+                raise LayoutError(
+                    "the sidecar computed another fingerprint for this layout: "
+                    "client and server versions disagree"
+                )
+            self._layouts[fp] = layout
+        return fp
+
+    # -- writes -----------------------------------------------------------------------
+
+    def store(
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        blocks: Any,
+        *,
+        write_through: bool = False,
+    ) -> list[bool]:
+        """Store full blocks. With an HBM tier they go to the device pool (and
+        to the sidecar only when evicted, or now with ``write_through``);
+        without one, straight to the sidecar. Returns whether each is held."""
+        keys = check_keys(keys)
+        rows = as_block_rows(layout, len(keys), blocks)
+        self.register(layout)  # HBM victims are written down under their layout later
+        if self.hbm is None:
+            return self._write_down(layout, keys, rows)
+        held = [True] * len(keys)
+        with self._hbm_lock:
+            in_hbm = self.hbm.contains(keys)
+            for i, (key, row) in enumerate(zip(keys, rows)):
+                if in_hbm[i]:
+                    continue
+                slot = self._hbm_slot(key, layout, dirty=not write_through)
+                if slot is None:
+                    held[i] = False
+                    continue
+                self._copy(slot, row)
+        if write_through:
+            down = self._write_down(layout, keys, rows)
+            held = [a or b for a, b in zip(held, down)]
+        self._sync()
+        return held
+
+    def _hbm_slot(self, key: BlockKey, layout: KVLayout, dirty: bool) -> torch.Tensor | None:
+        """A pool slot for ``key``, evicting (and writing down) LRU blocks. Lock held."""
+        assert self.hbm is not None
+        nbytes = layout.block_bytes
+        slot = self.hbm.allocate(key, layout.fingerprint, nbytes, dirty)
+        while slot is None and not self.hbm.contains([key])[0]:
+            victims = self.hbm.take_victims(nbytes, max_blocks=64)
+            if not victims:
+                return None
+            self._evict_hbm(victims)
+            slot = self.hbm.allocate(key, layout.fingerprint, nbytes, dirty)
+        return slot
+
+    def _evict_hbm(self, victims: list[HbmEntry]) -> None:
+        assert self.hbm is not None
+        by_layout: dict[bytes, list[HbmEntry]] = {}
+        for v in victims:
+            if v.dirty:
+                by_layout.setdefault(v.layout_fp, []).append(v)
+        for fp, entries in by_layout.items():
+            self._write_down(
+                self._layouts[fp], [e.key for e in entries], [self.hbm.view(e) for e in entries]
+            )
+        self.hbm.free(victims)
+
+    def _write_down(
+        self, layout: KVLayout, keys: list[BlockKey], rows: list[torch.Tensor]
+    ) -> list[bool]:
+        """Reserve arena slots, copy, commit: two control calls per batch."""
+        held: list[bool] = []
+        n = layout.block_bytes
+        for lo in range(0, len(keys), self.max_batch_keys):
+            batch = keys[lo : lo + self.max_batch_keys]
+            reply = self._call(self._stub.Reserve, self._req(layout, batch), "reserve")
+            ok = []
+            for j, (status, offset) in enumerate(zip(reply.statuses, reply.offsets)):
+                if status == local_pb2.RESERVE_OK:
+                    self._copy(self.arena_tensor[offset : offset + n], rows[lo + j])
+                    ok.append(batch[j])
+                held.append(status != local_pb2.RESERVE_FULL)
+            if ok:
+                self._sync()
+                self._call(self._stub.Commit, self._req(layout, ok), "commit")
+        return held
+
+    def flush(self) -> int:
+        """Write every HBM-only block down to the sidecar. Returns how many."""
+        if self.hbm is None:
+            return 0
+        with self._hbm_lock:
+            dirty = self.hbm.dirty()
+            by_layout: dict[bytes, list[HbmEntry]] = {}
+            for e in dirty:
+                by_layout.setdefault(e.layout_fp, []).append(e)
+            for fp, entries in by_layout.items():
+                keys = [e.key for e in entries]
+                self._write_down(self._layouts[fp], keys, [self.hbm.view(e) for e in entries])
+                self.hbm.mark_clean(keys)
+        return len(dirty)
+
+    # -- reads ------------------------------------------------------------------------
+
+    def lookup(self, layout: KVLayout, keys: Sequence[BlockKey]) -> ClientLookup:
+        """Longest prefix held anywhere (HBM here, or the sidecar's tiers)."""
+        keys = check_keys(keys)
+        in_hbm = self.hbm.contains(keys) if self.hbm is not None else [False] * len(keys)
+        tiers: list[TierName] = []
+        i = 0
+        while i < len(keys):
+            if in_hbm[i]:
+                tiers.append(TierName.HBM)
+                i += 1
+                continue
+            run_end = i
+            while run_end < len(keys) and not in_hbm[run_end]:
+                run_end += 1
+            run = keys[i:run_end][: self.max_batch_keys]
+            reply = self._call(self._stub.Lookup, self._req(layout, run), "lookup")
+            tiers.extend(TIER_BY_CODE[c] for c in reply.tiers)
+            i += reply.num_hits
+            if reply.num_hits < len(run):
+                break
+        return ClientLookup(len(tiers), tuple(tiers))
+
+    def acquire(self, layout: KVLayout, keys: Sequence[BlockKey]) -> Pinned:
+        """Pin the longest available prefix in the arena (promoting from NVMe)
+        and return zero-copy views of it. Release when done."""
+        keys = check_keys(keys)[: self.max_batch_keys]
+        reply = self._call(self._stub.Acquire, self._req(layout, keys), "acquire")
+        offsets = list(reply.offsets)
+        return Pinned(self, layout, keys[: len(offsets)], offsets)
+
+    def _release(self, layout: KVLayout, keys: list[BlockKey]) -> None:
+        if keys and self.connected:
+            self._call(self._stub.Release, self._req(layout, keys), "release")
+
+    def load(
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        out: torch.Tensor | None = None,
+        *,
+        promote: bool = True,
+    ) -> LoadResult:
+        """Load the longest available prefix into ``out`` (or a new tensor of
+        shape (len(keys), block_bytes), uint8, on this client's device).
+        With an HBM tier and ``promote``, loaded blocks are kept in HBM too."""
+        keys = check_keys(keys)
+        n = layout.block_bytes
+        if out is None:
+            out = torch.empty((len(keys), n), dtype=torch.uint8, device=self.device)
+        elif out.numel() * out.element_size() < len(keys) * n:
+            raise BlockSizeError(
+                f"out holds {out.numel() * out.element_size()} bytes; "
+                f"{len(keys)} blocks need {len(keys) * n}"
+            )
+        rows = out.reshape(-1).view(torch.uint8)[: len(keys) * n].view(len(keys), n)
+        in_hbm = self.hbm.contains(keys) if self.hbm is not None else [False] * len(keys)
+        tiers: list[TierName] = []
+        i = 0
+        while i < len(keys):
+            if in_hbm[i] and self.hbm is not None:
+                (view,) = self.hbm.get([keys[i]])
+                if view is not None:
+                    self._copy(rows[i], view)
+                    tiers.append(TierName.HBM)
+                    i += 1
+                    continue
+            end = i + 1  # a run of blocks the sidecar must supply
+            while end < len(keys) and end - i < self.max_batch_keys and not in_hbm[end]:
+                end += 1
+            got = self._load_run(layout, keys[i:end], rows[i:end], promote)
+            tiers.extend(got)
+            i += len(got)
+            if len(got) < end - (i - len(got)):
+                break  # a gap: the rest must be prefilled
+        self._sync()
+        return LoadResult(len(tiers), tuple(tiers), out)
+
+    def _load_run(
+        self, layout: KVLayout, keys: list[BlockKey], rows: torch.Tensor, promote: bool
+    ) -> list[TierName]:
+        lookup = self._call(self._stub.Lookup, self._req(layout, keys), "lookup")
+        with self.acquire(layout, keys) as pinned:
+            for j, view in enumerate(pinned.views):
+                self._copy(rows[j], view)
+            if promote and self.hbm is not None:
+                with self._hbm_lock:
+                    for key, view in zip(pinned.keys, pinned.views):
+                        slot = self._hbm_slot(key, layout, dirty=False)
+                        if slot is not None:
+                            self._copy(slot, view)
+            self._sync()  # copies out of the arena end before the pins go
+            tiers = [TIER_BY_CODE[c] for c in lookup.tiers[: len(pinned.keys)]]
+            return tiers + [TierName.DRAM] * (len(pinned.keys) - len(tiers))
+
+    def prefetch(
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        policy: str = "best_effort",
+        timeout_s: float = 0.0,
+    ) -> PrefetchResult | Future[PrefetchResult]:
+        """Ask the sidecar to promote ``keys`` toward DRAM (and, with an HBM
+        tier, bring them on into HBM). ``best_effort`` returns a Future at
+        once; ``wait`` and ``timeout`` return when done or at the deadline
+        (``timeout_s``, or the server's base + per-1k-tokens rule when 0)."""
+        if policy not in POLICY_CODES:
+            raise ValueError(
+                f"unknown prefetch policy {policy!r}; use one of {sorted(POLICY_CODES)}"
+            )
+        keys = check_keys(keys)[: self.max_batch_keys]
+        if policy == "best_effort":
+            return self._background.submit(self._prefetch_now, layout, keys, "wait", 0.0)
+        return self._prefetch_now(layout, keys, policy, timeout_s)
+
+    def _prefetch_now(
+        self, layout: KVLayout, keys: list[BlockKey], policy: str, timeout_s: float
+    ) -> PrefetchResult:
+        req = local_pb2.PrefetchRequest(
+            client_id=self.client_id,
+            layout_id=self.register(layout),
+            keys=b"".join(keys),
+            policy=POLICY_CODES[policy],
+            timeout_s=timeout_s,
+        )
+        reply = self._call(self._stub.Prefetch, req, "prefetch")
+        if self.hbm is not None and reply.ready_blocks:
+            ready = keys[: reply.ready_blocks]
+            missing = [k for k, held in zip(ready, self.hbm.contains(ready)) if not held]
+            if missing:
+                scratch = torch.empty(
+                    (len(missing), layout.block_bytes), dtype=torch.uint8, device=self.device
+                )
+                self._load_run(layout, missing, scratch, promote=True)
+        return PrefetchResult(
+            OUTCOME_NAMES[reply.outcome], reply.ready_blocks, reply.available_blocks
+        )
+
+    # -- inspection and shutdown ---------------------------------------------------------
+
+    def stat(self) -> local_pb2.StatReply:
+        return self._call(self._stub.Stat, local_pb2.StatRequest(), "stat")
+
+    def close(self) -> None:
+        """Detach (the sidecar releases anything still pinned), unmap the arena."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self._background.shutdown(wait=True)
+        self._attach.cancel()
+        self._channel.close()
+        self._watcher.join(timeout=5)
+        if self._pinned_host:
+            cuda.unregister_host(self.arena_tensor)
+        if self.hbm is not None:
+            self.hbm.close()
+        del self.arena_tensor
+        self.arena.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

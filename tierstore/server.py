@@ -1,0 +1,473 @@
+"""The sidecar: ``tierstore serve``.
+
+Provides ``Sidecar``, which owns one TieredStore and serves the local gRPC
+service (engine <-> sidecar) on a Unix socket, with the standard gRPC health
+service and a Prometheus endpoint, and ``LocalServicer``, the service itself.
+
+Threads: gRPC's pool runs the handlers (one long-lived thread per attached
+client for its Attach stream, plus ``rpc_threads`` for unary calls); the
+store's demoter and the prefetch workers run beside them. ``Sidecar.stop``
+(SIGTERM/SIGINT in ``serve``) refuses new calls, lets in-flight calls finish
+for ``shutdown_grace_s``, then closes the store (NVMe index flushed).
+
+A second sidecar on the same socket or NVMe directory fails at start with a
+message naming the running one; nothing of the first is touched.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from tierstore import __version__
+from tierstore.config import Config
+from tierstore.errors import TierstoreError
+from tierstore.keys import KEY_BYTES, BlockKey, KVLayout
+from tierstore.metrics import start_metrics_server
+from tierstore.prefetch import BestEffort, Prefetcher, PrefetchPolicy, Timeout, WaitAll
+from tierstore.store import STORE_OWNER, TieredStore
+from tierstore.tiers.base import TierName
+from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tierstore.v1.LocalService"
+MAX_MESSAGE_BYTES = 4 << 20
+TIER_CODES = {TierName.HBM: 1, TierName.DRAM: 2, TierName.NVME: 3, TierName.PEER: 4}
+
+
+class BadRequest(Exception):
+    """A request the servicer refuses; carries the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class ClientSession:
+    client_id: int
+    name: str
+    pid: int
+    connected_at: float
+
+
+def _handler(method: Any) -> Any:
+    """Turn BadRequest and tierstore's input errors into gRPC statuses."""
+
+    def wrapped(self: LocalServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except BadRequest as e:
+            self.count("bad_requests")
+            context.abort(e.code, str(e))
+        except (TierstoreError, ValueError) as e:
+            self.count("bad_requests")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    wrapped.__name__ = method.__name__
+    wrapped.__doc__ = method.__doc__
+    return wrapped
+
+
+class LocalServicer(local_pb2_grpc.LocalServiceServicer):
+    """The engine-facing service. Thread-safe: every handler may run at once."""
+
+    def __init__(self, store: TieredStore, config: Config, stopping: threading.Event) -> None:
+        self.store = store
+        self.cfg = config.server
+        self.config = config
+        self.prefetcher = Prefetcher(store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max)
+        self._stopping = stopping
+        self._ids = itertools.count(STORE_OWNER + 1)
+        self._clients: dict[int, ClientSession] = {}
+        self._lock = threading.Lock()
+        self.counters: dict[str, int] = {
+            "bad_requests": 0,
+            "clients_attached": 0,
+            "clients_detached": 0,
+            "clients_refused": 0,
+            "leaked_reservations_released": 0,
+            "leaked_pins_released": 0,
+        }
+        self.started_at = time.time()
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    # -- sessions -----------------------------------------------------------------
+
+    def Attach(
+        self, request: local_pb2.AttachRequest, context: grpc.ServicerContext
+    ) -> Iterator[local_pb2.AttachEvent]:
+        with self._lock:
+            if len(self._clients) >= self.cfg.max_clients:
+                self.counters["clients_refused"] += 1
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{len(self._clients)} clients attached; max_clients is {self.cfg.max_clients}",
+                )
+            client_id = next(self._ids)
+            self._clients[client_id] = ClientSession(
+                client_id, request.client_name[:128], request.pid, time.time()
+            )
+            self.counters["clients_attached"] += 1
+        done = threading.Event()
+        context.add_callback(lambda: self._detach(client_id, done))
+        yield local_pb2.AttachEvent(
+            client_id=client_id,
+            arena_path=str(self.store.arena.path),
+            arena_bytes=self.store.arena.size_bytes,
+            server_version=__version__,
+            max_batch_keys=self.cfg.max_batch_keys,
+        )
+        while not done.wait(self.cfg.keepalive_s) and not self._stopping.is_set():
+            yield local_pb2.AttachEvent()
+
+    def _detach(self, client_id: int, done: threading.Event) -> None:
+        done.set()
+        with self._lock:
+            if self._clients.pop(client_id, None) is None:
+                return
+            self.counters["clients_detached"] += 1
+        aborted, pins = self.store.release_owner(client_id)
+        self.count("leaked_reservations_released", aborted)
+        self.count("leaked_pins_released", pins)
+
+    def clients(self) -> list[ClientSession]:
+        with self._lock:
+            return list(self._clients.values())
+
+    # -- request checks -------------------------------------------------------------
+
+    def _owner(self, client_id: int) -> int:
+        with self._lock:
+            if client_id not in self._clients:
+                raise BadRequest(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"client id {client_id} is not attached; call Attach first",
+                )
+        return client_id
+
+    def _layout(self, layout_id: bytes) -> KVLayout:
+        if len(layout_id) != 32:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"layout_id must be 32 bytes, got {len(layout_id)}",
+            )
+        try:
+            return self.store.layout(layout_id)
+        except TierstoreError as e:
+            raise BadRequest(grpc.StatusCode.NOT_FOUND, str(e)) from e
+
+    def _keys(self, raw: bytes) -> list[BlockKey]:
+        if len(raw) % KEY_BYTES:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"keys field is {len(raw)} bytes, not a multiple of {KEY_BYTES}",
+            )
+        n = len(raw) // KEY_BYTES
+        if n > self.cfg.max_batch_keys:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{n} keys in one call; max_batch_keys is {self.cfg.max_batch_keys}",
+            )
+        return [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]  # type: ignore[misc]
+
+    def _request(self, request: Any, attached: bool = True) -> tuple[int, KVLayout, list[BlockKey]]:
+        owner = self._owner(request.client_id) if attached else STORE_OWNER
+        return owner, self._layout(request.layout_id), self._keys(request.keys)
+
+    # -- unary calls ----------------------------------------------------------------
+
+    @_handler
+    def RegisterLayout(
+        self, request: local_pb2.RegisterLayoutRequest, context: grpc.ServicerContext
+    ) -> local_pb2.RegisterLayoutReply:
+        if not request.HasField("layout"):
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "RegisterLayout needs a layout")
+        layout = layout_from_proto(request.layout)
+        self.store.register_layout(layout)
+        return local_pb2.RegisterLayoutReply(
+            layout_id=layout.fingerprint, block_bytes=layout.block_bytes
+        )
+
+    @_handler
+    def Reserve(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.ReserveReply:
+        owner, layout, keys = self._request(request)
+        res = self.store.reserve(layout, keys, owner)
+        return local_pb2.ReserveReply(
+            statuses=bytes(int(r.status) for r in res), offsets=[r.offset for r in res]
+        )
+
+    @_handler
+    def Commit(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.FlagsReply:
+        owner, _, keys = self._request(request)
+        not_owned = self.store.dram.not_reserved_by(keys, owner)
+        if not_owned:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(not_owned)} of {len(keys)} keys are not reserved by client {owner} "
+                f"(first: {not_owned[0].hex()[:16]}...); nothing was committed",
+            )
+        flags = self.store.commit(keys, owner)
+        return local_pb2.FlagsReply(flags=bytes(flags))
+
+    @_handler
+    def Abort(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.CountReply:
+        owner, _, keys = self._request(request)
+        return local_pb2.CountReply(count=self.store.abort(keys, owner))
+
+    @_handler
+    def Lookup(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.LookupReply:
+        _, layout, keys = self._request(request, attached=False)
+        res = self.store.lookup(layout, keys)
+        return local_pb2.LookupReply(
+            num_hits=res.num_hits, tiers=bytes(TIER_CODES[t] for t in res.tiers)
+        )
+
+    @_handler
+    def Acquire(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.AcquireReply:
+        owner, layout, keys = self._request(request)
+        entries = self.store.acquire(layout, keys, owner)
+        return local_pb2.AcquireReply(offsets=[e.offset for e in entries])
+
+    @_handler
+    def Release(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.CountReply:
+        owner, _, keys = self._request(request)
+        return local_pb2.CountReply(count=self.store.release(keys, owner))
+
+    @_handler
+    def Prefetch(
+        self, request: local_pb2.PrefetchRequest, context: grpc.ServicerContext
+    ) -> local_pb2.PrefetchReply:
+        _, layout, keys = self._request(request, attached=False)
+        if not 0 <= request.timeout_s <= self.cfg.prefetch_max_wait_s:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"timeout_s must be in [0, {self.cfg.prefetch_max_wait_s}], "
+                f"got {request.timeout_s}",
+            )
+        policy = self._policy(request.policy, request.timeout_s)
+        outcome, job = self.prefetcher.run(layout, keys, policy)
+        return local_pb2.PrefetchReply(
+            outcome=local_pb2.PrefetchOutcome.Value(f"PREFETCH_{outcome.name}"),
+            ready_blocks=job.ready_blocks,
+            available_blocks=job.available_blocks,
+        )
+
+    def _policy(self, code: int, timeout_s: float) -> PrefetchPolicy:
+        if code == local_pb2.PREFETCH_BEST_EFFORT:
+            return BestEffort()
+        if code == local_pb2.PREFETCH_WAIT:
+            return WaitAll(self.cfg.prefetch_max_wait_s)
+        if code == local_pb2.PREFETCH_TIMEOUT:
+            return Timeout(
+                self.cfg.prefetch_timeout_base_s,
+                self.cfg.prefetch_timeout_per_1k_tokens_s,
+                fixed_s=timeout_s,
+            )
+        raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"unknown prefetch policy {code}")
+
+    @_handler
+    def Stat(
+        self, request: local_pb2.StatRequest, context: grpc.ServicerContext
+    ) -> local_pb2.StatReply:
+        return stat_reply(self)
+
+
+def layout_from_proto(msg: common_pb2.Layout) -> KVLayout:
+    return KVLayout(
+        model=msg.model,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        dtype=msg.dtype,
+        block_tokens=msg.block_tokens,
+        tp_rank=msg.tp_rank,
+        tp_size=msg.tp_size or 1,
+        tenant_salt=msg.tenant_salt,
+    )
+
+
+def layout_to_proto(layout: KVLayout) -> common_pb2.Layout:
+    return common_pb2.Layout(**layout.to_dict())
+
+
+def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
+    stat = servicer.store.stat()
+    counters = dict(stat["store"])
+    counters.update(servicer.counters)
+    pf = servicer.prefetcher.counters
+    counters.update({f"prefetch_{k}": v for k, v in vars(pf).items()})
+    now = time.time()
+    tier_fields = set(common_pb2.TierStat.DESCRIPTOR.fields_by_name) - {"name"}
+    return local_pb2.StatReply(
+        tiers=[
+            common_pb2.TierStat(name=name, **{k: v for k, v in t.items() if k in tier_fields})
+            for name, t in stat["tiers"].items()
+        ],
+        counters={k: int(v) for k, v in counters.items()},
+        clients=[
+            local_pb2.ClientInfo(
+                client_id=c.client_id,
+                name=c.name,
+                pid=c.pid,
+                connected_s=now - c.connected_at,
+                pins=servicer.store.dram.pin_count(c.client_id),
+            )
+            for c in servicer.clients()
+        ],
+        version=__version__,
+        uptime_s=now - servicer.started_at,
+        socket_path=servicer.cfg.socket_path,
+        nvme_dir=servicer.config.store.nvme_dir if servicer.store.nvme is not None else "",
+    )
+
+
+class SocketLock:
+    """An flock next to the socket: one sidecar per socket path."""
+
+    def __init__(self, socket_path: Path) -> None:
+        self.path = socket_path.with_name(socket_path.name + ".lock")
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._fd)
+            raise TierstoreError(
+                f"socket {socket_path} is served by another tierstore process (pid {holder}); "
+                "stop it first or choose another socket_path"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class Sidecar:
+    """One store, its gRPC services and its metrics endpoint."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        cfg = config.server
+        self.socket_path = Path(cfg.socket_path)
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock = SocketLock(self.socket_path)
+        self.stopping = threading.Event()
+        self._stopped = threading.Event()
+        self.metrics_server: Any = None
+        try:
+            self.store = TieredStore(config.store)
+        except BaseException:
+            self._lock.close()
+            raise
+        try:
+            self.servicer = LocalServicer(self.store, config, self.stopping)
+            self.health = health.HealthServicer()
+            self.grpc_server = grpc.server(
+                futures.ThreadPoolExecutor(
+                    max_workers=cfg.max_clients + cfg.rpc_threads,
+                    thread_name_prefix="tierstore-rpc",
+                ),
+                options=[
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ],
+                maximum_concurrent_rpcs=cfg.max_clients + 4 * cfg.rpc_threads,
+            )
+            local_pb2_grpc.add_LocalServiceServicer_to_server(self.servicer, self.grpc_server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+            self.socket_path.unlink(missing_ok=True)  # stale: the lock says nobody serves it
+            old_umask = os.umask(0o177)  # the socket is created owner-only
+            try:
+                self.grpc_server.add_insecure_port(f"unix:{self.socket_path}")
+                self.grpc_server.start()
+            finally:
+                os.umask(old_umask)
+            os.chmod(self.socket_path, 0o600)
+            if cfg.metrics_port:
+                self.metrics_server = start_metrics_server(self, cfg.metrics_host, cfg.metrics_port)
+        except BaseException:
+            self._close_store()
+            raise
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "tierstore %s serving on unix:%s (DRAM %s, NVMe %s)",
+            __version__,
+            self.socket_path,
+            config.store.dram_bytes,
+            config.store.nvme_dir if self.store.nvme is not None else "off",
+        )
+
+    def stop(self) -> None:
+        """Refuse new calls, finish in-flight ones, close the store. Idempotent."""
+        if self.stopping.is_set():
+            self._stopped.wait(timeout=self.config.server.shutdown_grace_s + 30)
+            return
+        self.stopping.set()
+        self.health.enter_graceful_shutdown()
+        self.grpc_server.stop(self.config.server.shutdown_grace_s).wait()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+        self._close_store()
+        self._stopped.set()
+        log.info("tierstore stopped")
+
+    def _close_store(self) -> None:
+        if hasattr(self, "servicer"):
+            self.servicer.prefetcher.close()
+        self.store.close()
+        self.socket_path.unlink(missing_ok=True)
+        self._lock.close()
+
+    def wait(self) -> None:
+        self._stopped.wait()
+
+
+def serve(config: Config) -> int:
+    """Run a sidecar until SIGTERM or SIGINT. Returns the exit status."""
+    sidecar = Sidecar(config)
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("signal %s: shutting down", signal.Signals(signum).name)
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"tierstore serving on unix:{sidecar.socket_path}", flush=True)
+    stop_requested.wait()
+    sidecar.stop()
+    return 0

@@ -1,0 +1,185 @@
+from tierstore.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReserveStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESERVE_OK: _ClassVar[ReserveStatus]
+    RESERVE_EXISTS: _ClassVar[ReserveStatus]
+    RESERVE_FULL: _ClassVar[ReserveStatus]
+
+class PrefetchPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFETCH_BEST_EFFORT: _ClassVar[PrefetchPolicy]
+    PREFETCH_WAIT: _ClassVar[PrefetchPolicy]
+    PREFETCH_TIMEOUT: _ClassVar[PrefetchPolicy]
+
+class PrefetchOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PREFETCH_STARTED: _ClassVar[PrefetchOutcome]
+    PREFETCH_DONE: _ClassVar[PrefetchOutcome]
+    PREFETCH_LATE: _ClassVar[PrefetchOutcome]
+    PREFETCH_CANCELLED: _ClassVar[PrefetchOutcome]
+RESERVE_OK: ReserveStatus
+RESERVE_EXISTS: ReserveStatus
+RESERVE_FULL: ReserveStatus
+PREFETCH_BEST_EFFORT: PrefetchPolicy
+PREFETCH_WAIT: PrefetchPolicy
+PREFETCH_TIMEOUT: PrefetchPolicy
+PREFETCH_STARTED: PrefetchOutcome
+PREFETCH_DONE: PrefetchOutcome
+PREFETCH_LATE: PrefetchOutcome
+PREFETCH_CANCELLED: PrefetchOutcome
+
+class AttachRequest(_message.Message):
+    __slots__ = ("client_name", "pid")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    pid: int
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class AttachEvent(_message.Message):
+    __slots__ = ("client_id", "arena_path", "arena_bytes", "server_version", "max_batch_keys")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_KEYS_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    arena_path: str
+    arena_bytes: int
+    server_version: str
+    max_batch_keys: int
+    def __init__(self, client_id: _Optional[int] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., max_batch_keys: _Optional[int] = ...) -> None: ...
+
+class RegisterLayoutRequest(_message.Message):
+    __slots__ = ("layout",)
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    layout: _common_pb2.Layout
+    def __init__(self, layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ...) -> None: ...
+
+class RegisterLayoutReply(_message.Message):
+    __slots__ = ("layout_id", "block_bytes")
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    layout_id: bytes
+    block_bytes: int
+    def __init__(self, layout_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class KeysRequest(_message.Message):
+    __slots__ = ("client_id", "layout_id", "keys")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    layout_id: bytes
+    keys: bytes
+    def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class ReserveReply(_message.Message):
+    __slots__ = ("statuses", "offsets")
+    STATUSES_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    statuses: bytes
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, statuses: _Optional[bytes] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FlagsReply(_message.Message):
+    __slots__ = ("flags",)
+    FLAGS_FIELD_NUMBER: _ClassVar[int]
+    flags: bytes
+    def __init__(self, flags: _Optional[bytes] = ...) -> None: ...
+
+class CountReply(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: _Optional[int] = ...) -> None: ...
+
+class LookupReply(_message.Message):
+    __slots__ = ("num_hits", "tiers")
+    NUM_HITS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    num_hits: int
+    tiers: bytes
+    def __init__(self, num_hits: _Optional[int] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+
+class AcquireReply(_message.Message):
+    __slots__ = ("offsets",)
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("client_id", "layout_id", "keys", "policy", "timeout_s")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    layout_id: bytes
+    keys: bytes
+    policy: PrefetchPolicy
+    timeout_s: float
+    def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., policy: _Optional[_Union[PrefetchPolicy, str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class PrefetchReply(_message.Message):
+    __slots__ = ("outcome", "ready_blocks", "available_blocks")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    READY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    outcome: PrefetchOutcome
+    ready_blocks: int
+    available_blocks: int
+    def __init__(self, outcome: _Optional[_Union[PrefetchOutcome, str]] = ..., ready_blocks: _Optional[int] = ..., available_blocks: _Optional[int] = ...) -> None: ...
+
+class StatRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClientInfo(_message.Message):
+    __slots__ = ("client_id", "name", "pid", "connected_s", "pins")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_S_FIELD_NUMBER: _ClassVar[int]
+    PINS_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    name: str
+    pid: int
+    connected_s: float
+    pins: int
+    def __init__(self, client_id: _Optional[int] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., connected_s: _Optional[float] = ..., pins: _Optional[int] = ...) -> None: ...
+
+class StatReply(_message.Message):
+    __slots__ = ("tiers", "counters", "clients", "version", "uptime_s", "socket_path", "nvme_dir")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    NVME_DIR_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStat]
+    counters: _containers.ScalarMap[str, int]
+    clients: _containers.RepeatedCompositeFieldContainer[ClientInfo]
+    version: str
+    uptime_s: float
+    socket_path: str
+    nvme_dir: str
+    def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.TierStat, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., clients: _Optional[_Iterable[_Union[ClientInfo, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., socket_path: _Optional[str] = ..., nvme_dir: _Optional[str] = ...) -> None: ...
