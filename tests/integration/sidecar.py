@@ -56,7 +56,8 @@ class SidecarProcess:
             time.sleep(0.05)
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return (self.root / "sidecar.log").read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:

@@ -226,3 +226,63 @@ def test_sigterm_shuts_down_cleanly_and_restart_keeps_nvme(tmp_path) -> None:
             assert torch.equal(res.blocks[: res.num_blocks], data[: len(on_nvme)])
     finally:
         proc.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_metrics_and_health(tmp_path) -> None:
+    import urllib.request
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    port = _free_port()
+    proc = SidecarProcess(tmp_path, "--metrics-port", str(port))
+    try:
+        with StoreClient(str(proc.socket)) as client:
+            client.store(SMALL_LAYOUT, keys_for(2), blocks(2))
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            assert 'tierstore_tier_num_blocks{tier="dram"} 2.0' in text
+            assert "tierstore_clients 1.0" in text
+        with grpc.insecure_channel(f"unix:{proc.socket}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("", "tierstore.v1.LocalService"):
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.stop()
+
+
+def test_serve_runs_with_no_config(tmp_path) -> None:
+    """Embedded defaults: socket and NVMe directory under the user's dirs."""
+    import os
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(REPO),
+               TIERSTORE_METRICS_PORT=str(_free_port()))  # only to stay clear of other runs
+    env.pop("XDG_RUNTIME_DIR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "serve"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    socket_path = tmp_path / "cache" / "tierstore" / "run" / "tierstore.sock"
+    try:
+        deadline = time.monotonic() + 30
+        while not socket_path.exists():
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with StoreClient(str(socket_path)) as client:
+            stat = client.stat()
+            assert stat.nvme_dir == str(tmp_path / "cache" / "tierstore" / "nvme")
+            assert {t.name for t in stat.tiers} == {"dram", "nvme"}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
