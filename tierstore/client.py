@@ -229,9 +229,19 @@ class StoreClient:
         for lo in range(0, len(keys), self.max_batch_keys):
             yield keys[lo : lo + self.max_batch_keys]
 
-    def _req(self, layout: KVLayout, keys: Sequence[BlockKey]) -> local_pb2.KeysRequest:
+    def _req(
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        include_peers: bool = False,
+        deadline_s: float = 0.0,
+    ) -> local_pb2.KeysRequest:
         return local_pb2.KeysRequest(
-            client_id=self.client_id, layout_id=self.register(layout), keys=b"".join(keys)
+            client_id=self.client_id,
+            layout_id=self.register(layout),
+            keys=b"".join(keys),
+            include_peers=include_peers,
+            deadline_s=deadline_s,
         )
 
     def _sync(self) -> None:
@@ -359,8 +369,11 @@ class StoreClient:
 
     # -- reads ------------------------------------------------------------------------
 
-    def lookup(self, layout: KVLayout, keys: Sequence[BlockKey]) -> ClientLookup:
-        """Longest prefix held anywhere (HBM here, or the sidecar's tiers)."""
+    def lookup(
+        self, layout: KVLayout, keys: Sequence[BlockKey], *, include_peers: bool = False
+    ) -> ClientLookup:
+        """Longest prefix held anywhere: HBM here, the sidecar's tiers, and
+        with ``include_peers`` the other sidecars of the group."""
         keys = check_keys(keys)
         in_hbm = self.hbm.contains(keys) if self.hbm is not None else [False] * len(keys)
         tiers: list[TierName] = []
@@ -374,18 +387,27 @@ class StoreClient:
             while run_end < len(keys) and not in_hbm[run_end]:
                 run_end += 1
             run = keys[i:run_end][: self.max_batch_keys]
-            reply = self._call(self._stub.Lookup, self._req(layout, run), "lookup")
+            reply = self._call(self._stub.Lookup, self._req(layout, run, include_peers), "lookup")
             tiers.extend(TIER_BY_CODE[c] for c in reply.tiers)
             i += reply.num_hits
             if reply.num_hits < len(run):
                 break
         return ClientLookup(len(tiers), tuple(tiers))
 
-    def acquire(self, layout: KVLayout, keys: Sequence[BlockKey]) -> Pinned:
-        """Pin the longest available prefix in the arena (promoting from NVMe)
-        and return zero-copy views of it. Release when done."""
+    def acquire(
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        *,
+        include_peers: bool = False,
+        deadline_s: float = 0.0,
+    ) -> Pinned:
+        """Pin the longest available prefix in the arena (promoting from NVMe,
+        and with ``include_peers`` fetching what a peer holds, within
+        ``deadline_s``) and return zero-copy views of it. Release when done."""
         keys = check_keys(keys)[: self.max_batch_keys]
-        reply = self._call(self._stub.Acquire, self._req(layout, keys), "acquire")
+        req = self._req(layout, keys, include_peers, deadline_s)
+        reply = self._call(self._stub.Acquire, req, "acquire")
         offsets = list(reply.offsets)
         return Pinned(self, layout, keys[: len(offsets)], offsets)
 
@@ -400,10 +422,14 @@ class StoreClient:
         out: torch.Tensor | None = None,
         *,
         promote: bool = True,
+        include_peers: bool = False,
+        deadline_s: float = 0.0,
     ) -> LoadResult:
         """Load the longest available prefix into ``out`` (or a new tensor of
         shape (len(keys), block_bytes), uint8, on this client's device).
-        With an HBM tier and ``promote``, loaded blocks are kept in HBM too."""
+        With an HBM tier and ``promote``, loaded blocks are kept in HBM too.
+        With ``include_peers``, blocks missing on this host are fetched from
+        the peer that holds them (pull on switch), within ``deadline_s``."""
         keys = check_keys(keys)
         n = layout.block_bytes
         if out is None:
@@ -428,7 +454,9 @@ class StoreClient:
             end = i + 1  # a run of blocks the sidecar must supply
             while end < len(keys) and end - i < self.max_batch_keys and not in_hbm[end]:
                 end += 1
-            got = self._load_run(layout, keys[i:end], rows[i:end], promote)
+            got = self._load_run(
+                layout, keys[i:end], rows[i:end], promote, include_peers, deadline_s
+            )
             tiers.extend(got)
             i += len(got)
             if len(got) < end - (i - len(got)):
@@ -437,10 +465,19 @@ class StoreClient:
         return LoadResult(len(tiers), tuple(tiers), out)
 
     def _load_run(
-        self, layout: KVLayout, keys: list[BlockKey], rows: torch.Tensor, promote: bool
+        self,
+        layout: KVLayout,
+        keys: list[BlockKey],
+        rows: torch.Tensor,
+        promote: bool,
+        include_peers: bool = False,
+        deadline_s: float = 0.0,
     ) -> list[TierName]:
-        lookup = self._call(self._stub.Lookup, self._req(layout, keys), "lookup")
-        with self.acquire(layout, keys) as pinned:
+        req = self._req(layout, keys, include_peers, deadline_s)
+        lookup = self._call(self._stub.Lookup, req, "lookup")
+        with self.acquire(
+            layout, keys, include_peers=include_peers, deadline_s=deadline_s
+        ) as pinned:
             for j, view in enumerate(pinned.views):
                 self._copy(rows[j], view)
             if promote and self.hbm is not None:
@@ -495,6 +532,31 @@ class StoreClient:
         return PrefetchResult(
             OUTCOME_NAMES[reply.outcome], reply.ready_blocks, reply.available_blocks
         )
+
+    def end_turn(
+        self,
+        session: str,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        num_tokens: int,
+        *,
+        wait: bool = False,
+    ) -> local_pb2.EndTurnReply:
+        """Tell the sidecar a turn of ``session`` ended with these full blocks
+        (stored first: HBM-only blocks are written down). For a turn of at
+        least min_tokens the sidecar pushes the blocks the session's spill
+        host lacks (kv_share); ``wait`` returns after that push."""
+        keys = check_keys(keys)
+        self.flush()
+        req = local_pb2.EndTurnRequest(
+            client_id=self.client_id,
+            layout_id=self.register(layout),
+            session=session,
+            keys=b"".join(keys),
+            num_tokens=num_tokens,
+            wait=wait,
+        )
+        return self._call(self._stub.EndTurn, req, "end turn")
 
     # -- inspection and shutdown ---------------------------------------------------------
 

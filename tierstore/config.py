@@ -115,13 +115,76 @@ class ServerConfig:
             )
 
 
-SECTIONS: dict[str, type] = {"store": StoreConfig, "server": ServerConfig}
+@dataclass(frozen=True)
+class PeerConfig:
+    """The peer tier: serving and fetching blocks between hosts, kv_share."""
+
+    peer_host: str = "127.0.0.1"  # address the peer service listens on
+    peer_port: int = 0  # TCP port of the peer service; 0 disables peers
+    advertise: str = ""  # host:port other sidecars use for this one (default peer_host:peer_port)
+    peers: tuple[str, ...] = ()  # host:port of every other sidecar of the group
+    group: str = "default"  # name of the group (sidecars that share blocks)
+    peer_token: str = ""  # shared secret of the group; required when peer_port is set
+    peer_token_file: str = ""  # or read the secret from this file
+    tls_cert_file: str = ""  # PEM certificate: TLS on the peer port and data channel
+    tls_key_file: str = ""  # PEM key of tls_cert_file
+    tls_ca_file: str = ""  # PEM CA: verify peers (and, serving, require client certs: mTLS)
+    min_tokens: int = 8192  # turns shorter than this are not replicated
+    replica_bytes: int = 4 << 30  # space given to other hosts' replicas (max_gib)
+    peer_lookup_timeout_s: float = 0.5  # deadline of a lookup across the group
+    fetch_timeout_s: float = 30.0  # deadline of one transfer
+    replicate_timeout_s: float = 60.0  # deadline of one replica push
+    compression: str = "auto"  # auto | none | zstd: transfers over byte-split zstd
+    max_transfers: int = 8  # concurrent outgoing transfers served
+    replicate_queue_max: int = 64  # replica pushes waiting; more are dropped and counted
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.peer_port < 65536:
+            raise ConfigError(f"peer_port must be in [0, 65535], got {self.peer_port}")
+        if self.compression not in ("auto", "none", "zstd"):
+            raise ConfigError(f"compression must be auto, none or zstd, got {self.compression!r}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file must be set together")
+        for name in ("min_tokens", "max_transfers", "replicate_queue_max"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("peer_lookup_timeout_s", "fetch_timeout_s", "replicate_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for addr in self.peers:
+            _check_address(addr, "peers")
+        if self.advertise:
+            _check_address(self.advertise, "advertise")
+
+    def token(self) -> str:
+        """The group secret, from peer_token or peer_token_file."""
+        if self.peer_token:
+            return self.peer_token
+        if self.peer_token_file:
+            try:
+                return Path(self.peer_token_file).read_text().strip()
+            except OSError as e:
+                raise ConfigError(f"cannot read peer_token_file {self.peer_token_file}: {e}") from e
+        return ""
+
+    def address(self) -> str:
+        return self.advertise or f"{self.peer_host}:{self.peer_port}"
+
+
+def _check_address(addr: str, name: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name}: {addr!r} is not host:port")
+
+
+SECTIONS: dict[str, type] = {"store": StoreConfig, "server": ServerConfig, "peer": PeerConfig}
 
 
 @dataclass(frozen=True)
 class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    peer: PeerConfig = field(default_factory=PeerConfig)
 
 
 _SIZE_UNITS = {

@@ -7,6 +7,7 @@ Provides:
 - ``AdmissionPolicy`` protocol with ``AlwaysAdmit`` and ``SeenTwiceAdmit``
   (admit to the slower tier only keys seen at least twice).
 - ``make_eviction_policy`` / ``make_admission_policy``: by config name.
+- ``rendezvous_target``: the spill host of a session (kv_share's target).
 
 The tier that owns a policy serialises every call (its own lock). ``evict``
 is atomic: it returns a victim that is removed from the policy, or None and
@@ -16,8 +17,10 @@ the set of tracked keys is unchanged.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
+
+import blake3
 
 from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey
@@ -225,3 +228,18 @@ def make_admission_policy(name: str) -> AdmissionPolicy:
         raise ConfigError(
             f"unknown admission policy {name!r}; choose one of {sorted(ADMISSION_POLICIES)}"
         ) from None
+
+
+def rendezvous_target(session: str, members: Sequence[str], exclude: str) -> str | None:
+    """The group member a session spills to next: highest-random-weight
+    (rendezvous) hashing of the session id over the members, minus ``exclude``
+    (this host). Deterministic on every host; adding or removing a member
+    moves only the sessions that hashed to it."""
+    best: tuple[bytes, str] | None = None
+    for member in members:
+        if member == exclude:
+            continue
+        score = blake3.blake3(session.encode() + b"\0" + member.encode()).digest()
+        if best is None or score > best[0]:
+            best = (score, member)
+    return best[1] if best is not None else None

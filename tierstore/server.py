@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -41,6 +41,10 @@ from tierstore.prefetch import BestEffort, Prefetcher, PrefetchPolicy, Timeout, 
 from tierstore.store import STORE_OWNER, TieredStore
 from tierstore.tiers.base import TierName
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
+
+if TYPE_CHECKING:
+    from tierstore.peer.service import PeerServer
+    from tierstore.peer.tier import PeerTier
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +90,15 @@ def _handler(method: Any) -> Any:
 class LocalServicer(local_pb2_grpc.LocalServiceServicer):
     """The engine-facing service. Thread-safe: every handler may run at once."""
 
-    def __init__(self, store: TieredStore, config: Config, stopping: threading.Event) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        config: Config,
+        stopping: threading.Event,
+        peers: PeerTier | None = None,
+    ) -> None:
         self.store = store
+        self.peers = peers
         self.cfg = config.server
         self.config = config
         self.prefetcher = Prefetcher(store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max)
@@ -244,9 +255,17 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
     ) -> local_pb2.LookupReply:
         _, layout, keys = self._request(request, attached=False)
         res = self.store.lookup(layout, keys)
-        return local_pb2.LookupReply(
-            num_hits=res.num_hits, tiers=bytes(TIER_CODES[t] for t in res.tiers)
-        )
+        tiers = bytes(TIER_CODES[t] for t in res.tiers)
+        if request.include_peers and self.peers is not None and res.num_hits < len(keys):
+            timeout_s = self._peer_deadline(request, self.config.peer.peer_lookup_timeout_s)
+            _, more = self.peers.lookup(layout, keys[res.num_hits :], timeout_s)
+            tiers += bytes([TIER_CODES[TierName.PEER]]) * more
+        return local_pb2.LookupReply(num_hits=len(tiers), tiers=tiers)
+
+    def _peer_deadline(self, request: Any, default_s: float) -> float:
+        if request.deadline_s < 0:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "deadline_s must be >= 0")
+        return min(request.deadline_s or default_s, self.config.peer.fetch_timeout_s)
 
     @_handler
     def Acquire(
@@ -254,7 +273,34 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
     ) -> local_pb2.AcquireReply:
         owner, layout, keys = self._request(request)
         entries = self.store.acquire(layout, keys, owner)
+        if request.include_peers and self.peers is not None and len(entries) < len(keys):
+            # Pull on switch: the rest of the prefix from the peer that holds it.
+            timeout_s = self._peer_deadline(request, self.config.peer.fetch_timeout_s)
+            if self.peers.pull(layout, keys[len(entries) :], timeout_s):
+                entries += self.store.acquire(layout, keys[len(entries) :], owner)
+        self.store.adopt([e.key for e in entries])
         return local_pb2.AcquireReply(offsets=[e.offset for e in entries])
+
+    @_handler
+    def EndTurn(
+        self, request: local_pb2.EndTurnRequest, context: grpc.ServicerContext
+    ) -> local_pb2.EndTurnReply:
+        self._owner(request.client_id)
+        layout, keys = self._layout(request.layout_id), self._keys(request.keys)
+        if not request.session or len(request.session) > 256:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "session must be 1-256 characters")
+        self.store.adopt(keys)
+        if self.peers is None:
+            return local_pb2.EndTurnReply()
+        push = self.peers.end_turn(request.session, layout, keys, request.num_tokens, request.wait)
+        reply = local_pb2.EndTurnReply(
+            replica_target=self.peers.spill_target(request.session) or "",
+            replicating=push is not None,
+        )
+        if push is not None and push.reply is not None:
+            reply.pushed = push.reply.imported
+            reply.push_s = push.reply.import_s
+        return reply
 
     @_handler
     def Release(
@@ -324,6 +370,9 @@ def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
     stat = servicer.store.stat()
     counters = dict(stat["store"])
     counters.update(servicer.counters)
+    if servicer.peers is not None:
+        counters.update({f"peer_{k}": v for k, v in vars(servicer.peers.counters).items()})
+        counters["replica_bytes"] = servicer.store.replica_bytes()
     pf = servicer.prefetcher.counters
     counters.update({f"prefetch_{k}": v for k, v in vars(pf).items()})
     now = time.time()
@@ -392,8 +441,18 @@ class Sidecar:
         except BaseException:
             self._lock.close()
             raise
+        self.peer_server: PeerServer | None = None
         try:
-            self.servicer = LocalServicer(self.store, config, self.stopping)
+            if config.peer.peer_port:
+                from tierstore.peer.service import PeerServer
+
+                self.peer_server = PeerServer(self.store, config.peer)
+            self.servicer = LocalServicer(
+                self.store,
+                config,
+                self.stopping,
+                self.peer_server.tier if self.peer_server is not None else None,
+            )
             self.health = health.HealthServicer()
             self.grpc_server = grpc.server(
                 futures.ThreadPoolExecutor(
@@ -446,6 +505,8 @@ class Sidecar:
         log.info("tierstore stopped")
 
     def _close_store(self) -> None:
+        if self.peer_server is not None:
+            self.peer_server.stop(self.config.server.shutdown_grace_s)
         if hasattr(self, "servicer"):
             self.servicer.prefetcher.close()
         self.store.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +29,7 @@ from tierstore.policies import make_admission_policy, make_eviction_policy
 from tierstore.tiers.arena import Arena
 from tierstore.tiers.base import TierName, TierStats
 from tierstore.tiers.dram import DramEntry, DramTier, ReserveStatus
-from tierstore.tiers.nvme import NvmeTier
+from tierstore.tiers.nvme import NvmeTier, block_digest
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,10 @@ class TieredStore:
         self._evict_lock = threading.Lock()
         self._promotions: dict[BlockKey, _Promotion] = {}
         self._promotions_lock = threading.Lock()
+        # Blocks imported for other hosts (kv_share), oldest first: they are
+        # evicted before the host's own blocks and bounded by a budget.
+        self._replicas: OrderedDict[BlockKey, int] = OrderedDict()
+        self._replicas_lock = threading.Lock()
         self._high_bytes = int(config.dram_high_watermark * self.dram.allocator.capacity_bytes)
         self._low_bytes = int(config.dram_low_watermark * self.dram.allocator.capacity_bytes)
         self._wake = threading.Condition()
@@ -252,6 +257,62 @@ class TieredStore:
         """Free everything a dead client held: (reservations aborted, pins dropped)."""
         return self.dram.release_owner(owner)
 
+    def digest(self, entry: DramEntry) -> bytes:
+        """blake3 of a pinned block's bytes, computed once and kept with the entry."""
+        if entry.digest is None:
+            entry.digest = block_digest(self.dram.view(entry))
+        return entry.digest
+
+    # -- replicas (kv_share) ---------------------------------------------------------
+
+    def mark_replicas(self, layout: KVLayout, keys: Sequence[BlockKey]) -> None:
+        """Count committed blocks imported for another host against the replica budget."""
+        with self._replicas_lock:
+            for key in keys:
+                self._replicas[key] = layout.block_bytes
+                self._replicas.move_to_end(key)
+
+    def adopt(self, keys: Sequence[BlockKey]) -> None:
+        """Blocks a local engine used are this host's own now, not replicas."""
+        if self._replicas:
+            with self._replicas_lock:
+                for key in keys:
+                    self._replicas.pop(key, None)
+
+    def replica_bytes(self) -> int:
+        """Bytes of replicas still held in some tier (answers from the tiers)."""
+        self._prune_replicas()
+        with self._replicas_lock:
+            return sum(self._replicas.values())
+
+    def make_replica_room(self, nbytes: int, budget_bytes: int) -> bool:
+        """Drop the oldest replicas until ``nbytes`` more fit in the budget."""
+        if nbytes > budget_bytes:
+            return False
+        self._prune_replicas()
+        while True:
+            with self._replicas_lock:
+                used = sum(self._replicas.values())
+                if used + nbytes <= budget_bytes:
+                    return True
+                if not self._replicas:
+                    return False
+                key, _ = self._replicas.popitem(last=False)
+            self.drop([key])
+
+    def _prune_replicas(self) -> None:
+        with self._replicas_lock:
+            keys = list(self._replicas)
+        if not keys:
+            return
+        held = self.dram.contains(keys)
+        if self.nvme is not None:
+            held = [a or b for a, b in zip(held, self.nvme.contains(keys))]
+        with self._replicas_lock:
+            for key, present in zip(keys, held):
+                if not present:
+                    self._replicas.pop(key, None)
+
     # -- moving blocks down -------------------------------------------------------
 
     def demote(self, keys: Sequence[BlockKey]) -> int:
@@ -285,12 +346,21 @@ class TieredStore:
     def _take_victims(self, want_bytes: int) -> list[DramEntry]:
         victims: list[DramEntry] = []
         freed = 0
+        if self._replicas:  # other hosts' replicas leave DRAM before our own blocks
+            with self._replicas_lock:
+                candidates = list(self._replicas)[: self.config.demote_batch_blocks]
+            for victim in self.dram.take(candidates):
+                if freed >= want_bytes:
+                    self.dram.untake(victim)
+                    continue
+                victims.append(victim)
+                freed += victim.nbytes
         while freed < want_bytes and len(victims) < self.config.demote_batch_blocks:
-            victim = self.dram.take_victim()
-            if victim is None:
+            taken = self.dram.take_victim()
+            if taken is None:
                 break
-            victims.append(victim)
-            freed += victim.nbytes
+            victims.append(taken)
+            freed += taken.nbytes
         return victims
 
     def _spill(self, victims: list[DramEntry]) -> int:
@@ -311,7 +381,8 @@ class TieredStore:
                         self.counters.spill_skipped_admission += 1
             if to_write:
                 ok = self.nvme.write_many(
-                    [(v.key, v.layout_fp, self.dram.view(v)) for v in to_write]
+                    [(v.key, v.layout_fp, self.dram.view(v)) for v in to_write],
+                    digests=[v.digest for v in to_write],
                 )
                 written = sum(ok)
                 self.counters.spilled_blocks += written

@@ -48,6 +48,7 @@ class DramEntry:
     state: EntryState
     owner: int
     refs: int = 0
+    digest: bytes | None = None  # blake3 of the bytes, computed when first needed
 
 
 class DramTier:
@@ -216,6 +217,13 @@ class DramTier:
                     entry.state = EntryState.EVICTING
                     out.append(entry)
         return out
+
+    def untake(self, entry: DramEntry) -> None:
+        """Give back a victim that will not be evicted after all."""
+        with self._lock:
+            if self._entries.get(entry.key) is entry and entry.state == EntryState.EVICTING:
+                entry.state = EntryState.COMMITTED
+                self.policy.insert(entry.key)
 
     def drop(self, entry: DramEntry) -> bool:
         """End an eviction: free the slot unless a reader pinned it meanwhile,

@@ -74,14 +74,46 @@ class RegisterLayoutReply(_message.Message):
     def __init__(self, layout_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("client_id", "layout_id", "keys")
+    __slots__ = ("client_id", "layout_id", "keys", "include_peers", "deadline_s")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_PEERS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     layout_id: bytes
     keys: bytes
-    def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    include_peers: bool
+    deadline_s: float
+    def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., include_peers: _Optional[bool] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+
+class EndTurnRequest(_message.Message):
+    __slots__ = ("client_id", "layout_id", "session", "keys", "num_tokens", "wait")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    layout_id: bytes
+    session: str
+    keys: bytes
+    num_tokens: int
+    wait: bool
+    def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., session: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class EndTurnReply(_message.Message):
+    __slots__ = ("replica_target", "replicating", "pushed", "push_s")
+    REPLICA_TARGET_FIELD_NUMBER: _ClassVar[int]
+    REPLICATING_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    PUSH_S_FIELD_NUMBER: _ClassVar[int]
+    replica_target: str
+    replicating: bool
+    pushed: int
+    push_s: float
+    def __init__(self, replica_target: _Optional[str] = ..., replicating: _Optional[bool] = ..., pushed: _Optional[int] = ..., push_s: _Optional[float] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("statuses", "offsets")

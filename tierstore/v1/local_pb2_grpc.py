@@ -79,6 +79,11 @@ class LocalServiceStub:
                 request_serializer=tierstore_dot_v1_dot_local__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=tierstore_dot_v1_dot_local__pb2.PrefetchReply.FromString,
                 _registered_method=True)
+        self.EndTurn = channel.unary_unary(
+                '/tierstore.v1.LocalService/EndTurn',
+                request_serializer=tierstore_dot_v1_dot_local__pb2.EndTurnRequest.SerializeToString,
+                response_deserializer=tierstore_dot_v1_dot_local__pb2.EndTurnReply.FromString,
+                _registered_method=True)
         self.Stat = channel.unary_unary(
                 '/tierstore.v1.LocalService/Stat',
                 request_serializer=tierstore_dot_v1_dot_local__pb2.StatRequest.SerializeToString,
@@ -152,6 +157,15 @@ class LocalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EndTurn(self, request, context):
+        """Ends a turn of a session: the sidecar remembers the session's block keys
+        and, for a turn of at least min_tokens, replicates the blocks the spill
+        host lacks (kv_share).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stat(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -205,6 +219,11 @@ def add_LocalServiceServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=tierstore_dot_v1_dot_local__pb2.PrefetchRequest.FromString,
                     response_serializer=tierstore_dot_v1_dot_local__pb2.PrefetchReply.SerializeToString,
+            ),
+            'EndTurn': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndTurn,
+                    request_deserializer=tierstore_dot_v1_dot_local__pb2.EndTurnRequest.FromString,
+                    response_serializer=tierstore_dot_v1_dot_local__pb2.EndTurnReply.SerializeToString,
             ),
             'Stat': grpc.unary_unary_rpc_method_handler(
                     servicer.Stat,
@@ -455,6 +474,33 @@ class LocalService:
             '/tierstore.v1.LocalService/Prefetch',
             tierstore_dot_v1_dot_local__pb2.PrefetchRequest.SerializeToString,
             tierstore_dot_v1_dot_local__pb2.PrefetchReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndTurn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierstore.v1.LocalService/EndTurn',
+            tierstore_dot_v1_dot_local__pb2.EndTurnRequest.SerializeToString,
+            tierstore_dot_v1_dot_local__pb2.EndTurnReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,291 @@
+"""The peer data channel: blocks streamed over plain TCP (or TLS).
+
+``DataServer`` (sending side) listens on an ephemeral port next to the peer
+gRPC service. ``open`` registers a transfer and returns a single-use ticket;
+a receiver connects, sends the ticket, and gets one frame per block of the
+held prefix. The sender pins a few blocks at a time (promoting them from NVMe
+as it goes, one chunk ahead of the socket) and sends straight from the arena:
+no copy in user space.
+
+``receive_blocks`` (receiving side) reads frames into reserved arena slots
+(``recv_into``: no copy), verifies blake3 in a worker thread while the next
+block arrives, and commits each verified block in order. A bad digest, a
+wrong key, an oversize length, a closed socket or a passed deadline ends the
+transfer: what was verified is kept, the rest is a miss.
+
+Threads: one accept thread, one thread per transfer (at most
+``max_transfers``; more connections are closed at once).
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import blake3
+
+from tierstore.keys import BlockKey, KVLayout
+from tierstore.peer import codec
+from tierstore.store import TieredStore
+from tierstore.tiers.dram import ReserveStatus
+
+log = logging.getLogger(__name__)
+
+SEND_CHUNK_BLOCKS = 8
+TRANSFER_OWNER_BASE = 1 << 48  # owner ids of transfers, apart from engine clients
+_owner_ids = itertools.count(TRANSFER_OWNER_BASE)
+
+
+class TransferError(Exception):
+    """A transfer ended early; the message says why (counted by the caller)."""
+
+
+@dataclass
+class _Transfer:
+    layout: KVLayout
+    keys: list[BlockKey]
+    compress: bool
+    expires: float
+
+
+@dataclass
+class SendCounters:
+    transfers: int = 0
+    blocks_sent: int = 0
+    bytes_sent: int = 0
+    bad_tickets: int = 0
+    refused_busy: int = 0
+    send_errors: int = 0
+
+
+class DataServer:
+    """Serves transfers opened by the peer service. See the module docstring."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        host: str,
+        max_transfers: int,
+        ticket_ttl_s: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.store = store
+        self.ticket_ttl_s = ticket_ttl_s
+        self.ssl_context = ssl_context
+        self.counters = SendCounters()
+        self._sock = socket.create_server((host, 0), backlog=64)
+        self.address = f"{host}:{self._sock.getsockname()[1]}"
+        self._tickets: dict[bytes, _Transfer] = {}
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(max_transfers)
+        self._closing = False
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="tierstore-data-accept", daemon=True
+        )
+        self._accept_thread.start()
+
+    def open(self, layout: KVLayout, keys: list[BlockKey], compress: bool) -> tuple[bytes, int]:
+        """Register a transfer of the held prefix of ``keys``: (ticket, blocks)."""
+        num = self.store.lookup(layout, keys).num_hits
+        ticket = os.urandom(codec.TICKET_BYTES)
+        now = time.monotonic()
+        with self._lock:
+            for t in [t for t, tr in self._tickets.items() if tr.expires < now]:
+                del self._tickets[t]
+            self._tickets[ticket] = _Transfer(layout, keys[:num], compress, now + self.ticket_ttl_s)
+        return ticket, num
+
+    def _take_ticket(self, ticket: bytes) -> _Transfer | None:
+        with self._lock:
+            for known in self._tickets:
+                if hmac.compare_digest(known, ticket):
+                    transfer = self._tickets.pop(known)
+                    return transfer if transfer.expires >= time.monotonic() else None
+        return None
+
+    def _accept_loop(self) -> None:
+        while not self._closing:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                self.counters.refused_busy += 1
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._serve, args=(conn,), name="tierstore-data-send", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self.ticket_ttl_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.ssl_context is not None:
+                conn = self.ssl_context.wrap_socket(conn, server_side=True)
+            ticket = recv_exact(conn, codec.TICKET_BYTES)
+            transfer = self._take_ticket(ticket)
+            if transfer is None:
+                self.counters.bad_tickets += 1
+                return
+            self.counters.transfers += 1
+            self._send(conn, transfer)
+        except (OSError, TransferError, ssl.SSLError) as e:
+            self.counters.send_errors += 1
+            log.debug("data channel send ended: %s", e)
+        finally:
+            conn.close()
+            self._slots.release()
+
+    def _send(self, conn: socket.socket, transfer: _Transfer) -> None:
+        owner = next(_owner_ids)
+        layout, keys = transfer.layout, transfer.keys
+        chunks = [keys[i : i + SEND_CHUNK_BLOCKS] for i in range(0, len(keys), SEND_CHUNK_BLOCKS)]
+        with ThreadPoolExecutor(1, thread_name_prefix="tierstore-data-read") as ahead:
+            # Pin (and promote) the next chunk while this one is on the wire.
+            pending: Future | None = (
+                ahead.submit(self.store.acquire, layout, chunks[0], owner) if chunks else None
+            )
+            for i, chunk in enumerate(chunks):
+                assert pending is not None
+                entries = pending.result()
+                pending = (
+                    ahead.submit(self.store.acquire, layout, chunks[i + 1], owner)
+                    if i + 1 < len(chunks) and len(entries) == len(chunk)
+                    else None
+                )
+                try:
+                    for entry in entries:
+                        view = self.store.view(entry)
+                        digest = self.store.digest(entry)
+                        payload = codec.compress(view, layout) if transfer.compress else None
+                        flags = codec.FLAG_ZSTD_BYTESPLIT if payload is not None else 0
+                        body = payload if payload is not None else view
+                        conn.sendall(
+                            codec.FRAME.pack(entry.key, digest, len(body), entry.nbytes, flags)
+                        )
+                        conn.sendall(body)
+                        self.counters.blocks_sent += 1
+                        self.counters.bytes_sent += len(body)
+                finally:
+                    self.store.release([e.key for e in entries], owner)
+                if len(entries) < len(chunk):
+                    break  # a block left this host meanwhile: the prefix ends here
+            if pending is not None:
+                self.store.release([e.key for e in pending.result()], owner)
+        conn.sendall(codec.end_frame())
+
+    def close(self) -> None:
+        self._closing = True
+        self._sock.close()
+        self._accept_thread.join(timeout=5)
+
+
+def recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_into_exact(conn, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into_exact(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise TransferError(f"connection closed after {got} of {len(view)} bytes")
+        got += n
+
+
+@dataclass
+class ReceiveResult:
+    received: int = 0  # blocks verified and committed
+    bytes: int = 0  # payload bytes read from the wire
+    verify_failures: int = 0
+    error: str = ""
+
+
+def receive_blocks(
+    conn: socket.socket,
+    store: TieredStore,
+    layout: KVLayout,
+    keys: Sequence[BlockKey],
+    deadline: float,
+    on_commit: Callable[[list[BlockKey]], None] | None = None,
+) -> ReceiveResult:
+    """Read frames for ``keys`` (in order) into reserved slots, verify, commit.
+    Blocks the store already holds are read and discarded. See module docstring."""
+    owner = next(_owner_ids)
+    result = ReceiveResult()
+    reservations = {r.key: r for r in store.reserve(layout, keys, owner)}
+    size = layout.block_bytes
+    scratch = memoryview(bytearray(size))
+    verified: list[tuple[BlockKey, Future[bool]]] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="tierstore-verify") as verifier:
+        try:
+            for key in keys:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransferError("deadline passed")
+                conn.settimeout(remaining)
+                header = recv_exact(conn, codec.FRAME.size)
+                got_key, digest, payload_bytes, block_bytes, flags = codec.FRAME.unpack(header)
+                if flags & codec.FLAG_END:
+                    break  # the sender holds no more of the prefix
+                if got_key != key or block_bytes != size or payload_bytes > size:
+                    raise TransferError(
+                        f"bad frame: key {'ok' if got_key == key else 'unexpected'}, "
+                        f"block {block_bytes} (want {size}), payload {payload_bytes}"
+                    )
+                res = reservations.get(key)
+                slot = (
+                    store.arena.view(res.offset, size)
+                    if res is not None and res.status == ReserveStatus.OK
+                    else scratch
+                )
+                if flags & codec.FLAG_ZSTD_BYTESPLIT:
+                    payload = memoryview(bytearray(payload_bytes))
+                    recv_into_exact(conn, payload)
+                    try:
+                        codec.decompress_into(payload, slot)
+                    except Exception as e:  # zstd raises its own error types on garbage
+                        raise TransferError(f"bad compressed payload: {e}") from e
+                elif payload_bytes != size:
+                    raise TransferError(f"raw payload of {payload_bytes} bytes, want {size}")
+                else:
+                    recv_into_exact(conn, slot)
+                result.bytes += payload_bytes
+                if slot is scratch:
+                    continue  # held already (or no room): not ours to verify or commit
+                verified.append((key, verifier.submit(_matches, slot, digest)))
+        except (OSError, TransferError) as e:
+            result.error = str(e)
+        committed: list[BlockKey] = []
+        for key, ok in verified:
+            if not ok.result():
+                result.verify_failures += 1
+                break
+            committed.append(key)
+    store.commit(committed, owner)
+    done = set(committed)
+    store.abort([k for k in keys if k not in done], owner)
+    result.received = len(committed)
+    if on_commit is not None and committed:
+        on_commit(committed)
+    return result
+
+
+def _matches(view: memoryview, digest: bytes) -> bool:
+    hasher = (
+        blake3.blake3(max_threads=blake3.blake3.AUTO) if len(view) >= 1 << 20 else blake3.blake3()
+    )
+    hasher.update(view)
+    return hmac.compare_digest(hasher.digest(), digest)

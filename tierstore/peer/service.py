@@ -1,0 +1,189 @@
+"""The peer service (sidecar <-> sidecar, TCP): lookup, open a transfer,
+replicate, stat; with token authentication and optional TLS/mTLS.
+
+Runs in the sidecar on its own gRPC server (so the engine's Unix socket
+never shares a port with the network). Every call must carry the group token
+(``authorization: Bearer <token>``); others get UNAUTHENTICATED before any
+handler runs. Sizes are bounded: keys per call, message size, transfers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import ssl
+from collections.abc import Callable
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tierstore.config import PeerConfig
+from tierstore.errors import TierstoreError
+from tierstore.keys import KEY_BYTES, BlockKey, KVLayout
+from tierstore.peer.data import DataServer
+from tierstore.peer.tier import PeerTier
+from tierstore.server import TIER_CODES, layout_from_proto
+from tierstore.store import TieredStore
+from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_PEER_KEYS = 65536  # keys in one peer call (2 MiB of keys)
+MAX_MESSAGE_BYTES = 4 << 20
+
+
+class TokenAuth(grpc.ServerInterceptor):
+    """Refuses every call whose metadata lacks the group token."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong peer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: Any
+    ) -> Any:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == "authorization":
+                given = value.encode() if isinstance(value, str) else value
+                if hmac.compare_digest(given, self._expected):
+                    return continuation(handler_call_details)
+        return self._deny
+
+
+class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
+    def __init__(
+        self, store: TieredStore, tier: PeerTier, data: DataServer, cfg: PeerConfig
+    ) -> None:
+        self.store = store
+        self.tier = tier
+        self.data = data
+        self.cfg = cfg
+        self.bad_requests = 0
+
+    def _parse(
+        self, layout_msg: common_pb2.Layout, raw: bytes, context: Any
+    ) -> tuple[KVLayout, list[BlockKey]]:
+        try:
+            layout = layout_from_proto(layout_msg)
+        except TierstoreError as e:
+            self.bad_requests += 1
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if len(raw) % KEY_BYTES or len(raw) // KEY_BYTES > MAX_PEER_KEYS:
+            self.bad_requests += 1
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"keys must be a multiple of {KEY_BYTES} bytes and at most {MAX_PEER_KEYS} keys",
+            )
+        self.store.register_layout(layout)
+        return layout, [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]  # type: ignore[misc]
+
+    def Lookup(self, request: peer_pb2.PeerKeysRequest, context: Any) -> peer_pb2.PeerLookupReply:
+        layout, keys = self._parse(request.layout, request.keys, context)
+        res = self.store.lookup(layout, keys)
+        return peer_pb2.PeerLookupReply(
+            num_hits=res.num_hits, tiers=bytes(TIER_CODES[t] for t in res.tiers)
+        )
+
+    def OpenFetch(
+        self, request: peer_pb2.OpenFetchRequest, context: Any
+    ) -> peer_pb2.OpenFetchReply:
+        layout, keys = self._parse(request.layout, request.keys, context)
+        compress = request.compression == peer_pb2.COMPRESSION_ZSTD_BYTESPLIT
+        ticket, num = self.data.open(layout, keys, compress)
+        return peer_pb2.OpenFetchReply(
+            ticket=ticket,
+            data_address=self.data_address,
+            num_blocks=num,
+            tls=self.data.ssl_context is not None,
+        )
+
+    @property
+    def data_address(self) -> str:
+        advertised_host = self.cfg.address().rpartition(":")[0]
+        return f"{advertised_host}:{self.data.address.rpartition(':')[2]}"
+
+    def Replicate(
+        self, request: peer_pb2.ReplicateRequest, context: Any
+    ) -> peer_pb2.ReplicateReply:
+        layout, keys = self._parse(request.layout, request.keys, context)
+        if not 0 < request.deadline_s <= self.cfg.replicate_timeout_s:
+            self.bad_requests += 1
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"deadline_s must be in (0, {self.cfg.replicate_timeout_s}], "
+                f"got {request.deadline_s}",
+            )
+        return self.tier.import_replica(layout, keys, request.source, request.deadline_s)
+
+    def PeerStat(self, request: peer_pb2.PeerStatRequest, context: Any) -> peer_pb2.PeerStatReply:
+        return peer_pb2.PeerStatReply(
+            group=self.cfg.group,
+            address=self.cfg.address(),
+            replica_bytes=self.store.replica_bytes(),
+            replica_budget_bytes=self.cfg.replica_bytes,
+        )
+
+
+def server_ssl_context(cfg: PeerConfig) -> ssl.SSLContext | None:
+    if not cfg.tls_cert_file:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+    if cfg.tls_ca_file:
+        ctx.load_verify_locations(cfg.tls_ca_file)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+class PeerServer:
+    """The peer gRPC server, its data channel and the peer tier."""
+
+    def __init__(self, store: TieredStore, cfg: PeerConfig) -> None:
+        token = cfg.token()
+        if not token:
+            raise TierstoreError(
+                "peer_port is set but no peer_token (or peer_token_file): the peer port "
+                "never runs without authentication"
+            )
+        self.data = DataServer(
+            store, cfg.peer_host, cfg.max_transfers, cfg.fetch_timeout_s, server_ssl_context(cfg)
+        )
+        self.tier = PeerTier(store, cfg, cfg.address())
+        self.servicer = PeerServicer(store, self.tier, self.data, cfg)
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tierstore-peer"),
+            interceptors=[TokenAuth(token)],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+            maximum_concurrent_rpcs=64,
+        )
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(self.servicer, self.server)
+        bind = f"{cfg.peer_host}:{cfg.peer_port}"
+        if cfg.tls_cert_file:
+            with open(cfg.tls_key_file, "rb") as k, open(cfg.tls_cert_file, "rb") as c:
+                pair = [(k.read(), c.read())]
+            root = Path(cfg.tls_ca_file).read_bytes() if cfg.tls_ca_file else None
+            creds = grpc.ssl_server_credentials(
+                pair, root_certificates=root, require_client_auth=root is not None
+            )
+            port = self.server.add_secure_port(bind, creds)
+        else:
+            port = self.server.add_insecure_port(bind)
+        if port == 0:
+            self.data.close()
+            raise TierstoreError(f"cannot listen for peers on {bind} (in use?)")
+        self.server.start()
+        log.info("peer service on %s (group %s, %d peers)", bind, cfg.group, len(self.tier.clients))
+
+    def stop(self, grace_s: float) -> None:
+        self.server.stop(grace_s).wait()
+        self.tier.close()
+        self.data.close()
