@@ -27,9 +27,10 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import blake3
 
@@ -208,6 +209,7 @@ def recv_into_exact(conn: socket.socket, view: memoryview) -> None:
 @dataclass
 class ReceiveResult:
     received: int = 0  # blocks verified and committed
+    keys: list[BlockKey] = field(default_factory=list)  # those blocks, in order
     bytes: int = 0  # payload bytes read from the wire
     verify_failures: int = 0
     error: str = ""
@@ -219,7 +221,6 @@ def receive_blocks(
     layout: KVLayout,
     keys: Sequence[BlockKey],
     deadline: float,
-    on_commit: Callable[[list[BlockKey]], None] | None = None,
 ) -> ReceiveResult:
     """Read frames for ``keys`` (in order) into reserved slots, verify, commit.
     Blocks the store already holds are read and discarded. See module docstring."""
@@ -228,10 +229,31 @@ def receive_blocks(
     reservations = {r.key: r for r in store.reserve(layout, keys, owner)}
     size = layout.block_bytes
     scratch = memoryview(bytearray(size))
-    verified: list[tuple[BlockKey, Future[bool]]] = []
+    pending: deque[tuple[BlockKey, Future[bool]]] = deque()
+    committed: list[BlockKey] = []
+    failed = False
+
+    def settle(wait: bool) -> None:
+        """Commit verified blocks at the head of the queue, in order, so they
+        are resident while the rest still arrives."""
+        nonlocal failed
+        ready: list[BlockKey] = []
+        while pending and not failed and (wait or pending[0][1].done()):
+            key, ok = pending.popleft()
+            if ok.result():
+                ready.append(key)
+            else:
+                result.verify_failures += 1
+                failed = True
+        if ready:
+            store.commit(ready, owner)
+            committed.extend(ready)
+
     with ThreadPoolExecutor(1, thread_name_prefix="tierstore-verify") as verifier:
         try:
             for key in keys:
+                if failed:
+                    break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TransferError("deadline passed")
@@ -263,23 +285,16 @@ def receive_blocks(
                 else:
                     recv_into_exact(conn, slot)
                 result.bytes += payload_bytes
-                if slot is scratch:
-                    continue  # held already (or no room): not ours to verify or commit
-                verified.append((key, verifier.submit(_matches, slot, digest)))
+                if slot is not scratch:  # held already or no room: not ours to keep
+                    pending.append((key, verifier.submit(_matches, slot, digest)))
+                settle(wait=False)
         except (OSError, TransferError) as e:
             result.error = str(e)
-        committed: list[BlockKey] = []
-        for key, ok in verified:
-            if not ok.result():
-                result.verify_failures += 1
-                break
-            committed.append(key)
-    store.commit(committed, owner)
+        settle(wait=True)
     done = set(committed)
     store.abort([k for k in keys if k not in done], owner)
     result.received = len(committed)
-    if on_commit is not None and committed:
-        on_commit(committed)
+    result.keys = committed
     return result
 
 

@@ -352,8 +352,7 @@ class PeerTier:
             log.warning("replica push from %s, which is not in this group's peers", source)
             return reply
         result = self._fetch(peer, layout, missing[:fits], deadline)
-        committed = missing[: result.received]
-        self.store.mark_replicas(layout, committed)
+        self.store.mark_replicas(layout, result.keys)
         self.count("replicas_imported", result.received)
         reply.imported = result.received
         reply.bytes = result.bytes
