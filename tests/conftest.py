@@ -54,10 +54,14 @@ def store_config(tmp_path: Path) -> Callable[..., StoreConfig]:
 
 @pytest.fixture(autouse=True)
 def _no_leaked_arenas() -> Any:
-    """Every test must close the arenas it creates (they live in /dev/shm)."""
+    """Every test must close the arenas this process creates (they live in
+    /dev/shm). Sidecar subprocesses own theirs; their cleanup is tested apart."""
+    mine = f"-{os.getpid()}-"
     before = set(os.listdir("/dev/shm"))
     yield
-    leaked = {n for n in set(os.listdir("/dev/shm")) - before if n.startswith("tierstore-")}
+    leaked = {
+        n for n in set(os.listdir("/dev/shm")) - before if n.startswith("tierstore-") and mine in n
+    }
     for name in leaked:
         os.unlink(os.path.join("/dev/shm", name))
     assert not leaked, f"arena files left behind: {sorted(leaked)}"

@@ -18,6 +18,7 @@ HBM pool's writes are serialised by one lock.
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -249,11 +250,27 @@ class StoreClient:
             self._stream.synchronize()
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self._stream is not None:
+        if dst.device.type == "cpu" and src.device.type == "cpu":
+            # One memcpy. torch's copy_ splits a block over its intra-op
+            # threads, and when the cores are busy (the engine computing) those
+            # threads spin-wait: block copies ran 40x slower than memcpy.
+            np.copyto(dst.numpy(), src.numpy())
+        elif self._stream is not None:
             with torch.cuda.stream(self._stream):
                 dst.copy_(src, non_blocking=True)
         else:
             dst.copy_(src)
+
+    def _empty_rows(self, num_rows: int, row_bytes: int) -> torch.Tensor:
+        """An uninitialised (num_rows, row_bytes) uint8 tensor on this client's
+        device; on the CPU page-aligned like the arena (a destination a few
+        bytes past a page boundary halves memcpy speed: 4 KiB aliasing)."""
+        if self.device.type != "cpu":
+            return torch.empty((num_rows, row_bytes), dtype=torch.uint8, device=self.device)
+        buf = mmap.mmap(-1, max(num_rows * row_bytes, mmap.PAGESIZE))
+        return torch.frombuffer(buf, dtype=torch.uint8)[: num_rows * row_bytes].view(
+            num_rows, row_bytes
+        )
 
     def register(self, layout: KVLayout) -> bytes:
         """Tell the sidecar about a layout (once per layout per client)."""
@@ -433,7 +450,7 @@ class StoreClient:
         keys = check_keys(keys)
         n = layout.block_bytes
         if out is None:
-            out = torch.empty((len(keys), n), dtype=torch.uint8, device=self.device)
+            out = self._empty_rows(len(keys), n)
         elif out.numel() * out.element_size() < len(keys) * n:
             raise BlockSizeError(
                 f"out holds {out.numel() * out.element_size()} bytes; "
@@ -525,9 +542,7 @@ class StoreClient:
             ready = keys[: reply.ready_blocks]
             missing = [k for k, held in zip(ready, self.hbm.contains(ready)) if not held]
             if missing:
-                scratch = torch.empty(
-                    (len(missing), layout.block_bytes), dtype=torch.uint8, device=self.device
-                )
+                scratch = self._empty_rows(len(missing), layout.block_bytes)
                 self._load_run(layout, missing, scratch, promote=True)
         return PrefetchResult(
             OUTCOME_NAMES[reply.outcome], reply.ready_blocks, reply.available_blocks

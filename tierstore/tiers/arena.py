@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -34,6 +35,42 @@ def _mem_available_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+_ARENA_NAME = re.compile(r"^tierstore-(?:[A-Za-z0-9_]+-)?(\d+)-[0-9a-f]{8}$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_arenas(directory: Path) -> list[Path]:
+    """Unlink arena files whose creating process is gone (a sidecar that was
+    killed cannot unlink its own; tmpfs would keep the memory until reboot).
+    Only files of this user are touched."""
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _ARENA_NAME.match(entry.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+        except OSError:
+            continue
+    return removed
 
 
 class Arena:
@@ -81,6 +118,7 @@ class Arena:
                 f"arena of {size_bytes / 2**30:.2f} GiB exceeds the machine's available "
                 f"memory ({available / 2**30:.2f} GiB); lower dram_bytes"
             )
+        remove_stale_arenas(directory)
         name = f"tierstore-{tag + '-' if tag else ''}{os.getpid()}-{secrets.token_hex(4)}"
         path = directory / name
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -128,3 +129,22 @@ def test_arena_errors_name_the_problem(tmp_path) -> None:
         Arena.create(1 << 20, directory=tmp_path / "nope")
     with pytest.raises(ArenaError, match="cannot open"):
         Arena.attach(tmp_path / "missing", 1 << 20)
+
+
+def test_stale_arenas_of_dead_processes_are_removed(tmp_path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    stale = tmp_path / f"tierstore-{dead.stdout.strip()}-0123abcd"
+    stale.write_bytes(b"x")
+    live = tmp_path / f"tierstore-{os.getpid()}-0123abcd"
+    live.write_bytes(b"x")
+    other = tmp_path / "unrelated-1-0123abcd"
+    other.write_bytes(b"x")
+    arena = Arena.create(1 << 20, directory=tmp_path, tag="test")
+    arena.close()
+    assert not stale.exists() and live.exists() and other.exists()
