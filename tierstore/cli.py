@@ -64,6 +64,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(config)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tierstore.demo import main as demo_main
+
+    return demo_main(args)
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     print(json.dumps(config_to_dict(_config(args)), indent=2))
     return 0
@@ -149,6 +155,30 @@ def format_stat(stat: dict[str, Any]) -> str:
             c.get("bad_requests", 0),
         ),
     ]
+    if "peer_lookups" in c:
+        lines.append(
+            "peers     lookups {} (errors {})  fetched {} blocks, {} "
+            "(errors {}, bad blocks {})".format(
+                c.get("peer_lookups", 0),
+                c.get("peer_lookup_errors", 0),
+                c.get("peer_fetched_blocks", 0),
+                _human_bytes(c.get("peer_fetched_bytes", 0)),
+                c.get("peer_fetch_errors", 0),
+                c.get("peer_fetch_verify_failures", 0),
+            )
+        )
+        lines.append(
+            "replicas  pushed {} blocks in {} pushes (errors {}, dropped {})  imported {}  "
+            "rejected {}  held {}".format(
+                c.get("peer_pushed_blocks", 0),
+                c.get("peer_pushes", 0),
+                c.get("peer_push_errors", 0),
+                c.get("peer_pushes_dropped", 0),
+                c.get("peer_replicas_imported", 0),
+                c.get("peer_replicas_rejected", 0),
+                _human_bytes(c.get("replica_bytes", 0)),
+            )
+        )
     clients = stat.get("clients", [])
     lines.append(f"clients   {len(clients)} attached")
     for cl in clients:
@@ -215,6 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the sidecar")
     p.set_defaults(func=cmd_stat)
+
+    p = sub.add_parser("demo", help="two hosts, one conversation, a warm session switch")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--tokens", type=int, default=4096, help="prompt tokens at the switch")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size of the random model")
+    p.add_argument("--layers", type=int, default=4, help="layers of the random model")
+    p.add_argument("--keep", action="store_true", help="keep the sidecars' files (logs)")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("config", help="print the effective configuration")
     _add_config_flags(p)
