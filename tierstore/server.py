@@ -95,10 +95,11 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         store: TieredStore,
         config: Config,
         stopping: threading.Event,
-        peers: PeerTier | None = None,
+        peer_server: PeerServer | None = None,
     ) -> None:
         self.store = store
-        self.peers = peers
+        self.peer_server = peer_server
+        self.peers: PeerTier | None = peer_server.tier if peer_server is not None else None
         self.cfg = config.server
         self.config = config
         self.prefetcher = Prefetcher(store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max)
@@ -370,8 +371,13 @@ def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
     stat = servicer.store.stat()
     counters = dict(stat["store"])
     counters.update(servicer.counters)
-    if servicer.peers is not None:
-        counters.update({f"peer_{k}": v for k, v in vars(servicer.peers.counters).items()})
+    if servicer.peer_server is not None:
+        counters.update(
+            {f"peer_{k}": v for k, v in vars(servicer.peer_server.tier.counters).items()}
+        )
+        counters.update(
+            {f"peer_{k}": v for k, v in vars(servicer.peer_server.data.counters).items()}
+        )
         counters["replica_bytes"] = servicer.store.replica_bytes()
     pf = servicer.prefetcher.counters
     counters.update({f"prefetch_{k}": v for k, v in vars(pf).items()})
@@ -447,12 +453,7 @@ class Sidecar:
                 from tierstore.peer.service import PeerServer
 
                 self.peer_server = PeerServer(self.store, config.peer)
-            self.servicer = LocalServicer(
-                self.store,
-                config,
-                self.stopping,
-                self.peer_server.tier if self.peer_server is not None else None,
-            )
+            self.servicer = LocalServicer(self.store, config, self.stopping, self.peer_server)
             self.health = health.HealthServicer()
             self.grpc_server = grpc.server(
                 futures.ThreadPoolExecutor(

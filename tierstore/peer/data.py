@@ -151,38 +151,42 @@ class DataServer:
         owner = next(_owner_ids)
         layout, keys = transfer.layout, transfer.keys
         chunks = [keys[i : i + SEND_CHUNK_BLOCKS] for i in range(0, len(keys), SEND_CHUNK_BLOCKS)]
-        with ThreadPoolExecutor(1, thread_name_prefix="tierstore-data-read") as ahead:
-            # Pin (and promote) the next chunk while this one is on the wire.
-            pending: Future | None = (
-                ahead.submit(self.store.acquire, layout, chunks[0], owner) if chunks else None
-            )
-            for i, chunk in enumerate(chunks):
-                assert pending is not None
-                entries = pending.result()
-                pending = (
-                    ahead.submit(self.store.acquire, layout, chunks[i + 1], owner)
-                    if i + 1 < len(chunks) and len(entries) == len(chunk)
-                    else None
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="tierstore-data-read") as ahead:
+                # Pin (and promote) the next chunk while this one is on the wire.
+                pending: Future | None = (
+                    ahead.submit(self.store.acquire, layout, chunks[0], owner) if chunks else None
                 )
-                try:
-                    for entry in entries:
-                        view = self.store.view(entry)
-                        digest = self.store.digest(entry)
-                        payload = codec.compress(view, layout) if transfer.compress else None
-                        flags = codec.FLAG_ZSTD_BYTESPLIT if payload is not None else 0
-                        body = payload if payload is not None else view
-                        conn.sendall(
-                            codec.FRAME.pack(entry.key, digest, len(body), entry.nbytes, flags)
-                        )
-                        conn.sendall(body)
-                        self.counters.blocks_sent += 1
-                        self.counters.bytes_sent += len(body)
-                finally:
-                    self.store.release([e.key for e in entries], owner)
-                if len(entries) < len(chunk):
-                    break  # a block left this host meanwhile: the prefix ends here
-            if pending is not None:
-                self.store.release([e.key for e in pending.result()], owner)
+                for i, chunk in enumerate(chunks):
+                    assert pending is not None
+                    entries = pending.result()
+                    pending = (
+                        ahead.submit(self.store.acquire, layout, chunks[i + 1], owner)
+                        if i + 1 < len(chunks) and len(entries) == len(chunk)
+                        else None
+                    )
+                    try:
+                        for entry in entries:
+                            view = self.store.view(entry)
+                            digest = self.store.digest(entry)
+                            payload = codec.compress(view, layout) if transfer.compress else None
+                            flags = codec.FLAG_ZSTD_BYTESPLIT if payload is not None else 0
+                            body = payload if payload is not None else view
+                            conn.sendall(
+                                codec.FRAME.pack(entry.key, digest, len(body), entry.nbytes, flags)
+                            )
+                            conn.sendall(body)
+                            self.counters.blocks_sent += 1
+                            self.counters.bytes_sent += len(body)
+                    finally:
+                        self.store.release([e.key for e in entries], owner)
+                    if len(entries) < len(chunk):
+                        break  # a block left this host meanwhile: the prefix ends here
+        finally:
+            # The executor has joined, so no acquire of this transfer still
+            # runs: drop every pin it holds (the read-ahead chunk after an
+            # error or a gap too).
+            self.store.release_owner(owner)
         conn.sendall(codec.end_frame())
 
     def close(self) -> None:

@@ -54,7 +54,7 @@ def remove_stale_arenas(directory: Path) -> list[Path]:
     """Unlink arena files whose creating process is gone (a sidecar that was
     killed cannot unlink its own; tmpfs would keep the memory until reboot).
     Only files of this user are touched."""
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(os.scandir(directory))
     except OSError:
