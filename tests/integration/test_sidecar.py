@@ -267,11 +267,19 @@ def test_serve_runs_with_no_config(tmp_path) -> None:
     import time
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
-    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(REPO),
-               TIERSTORE_METRICS_PORT=str(_free_port()))  # only to stay clear of other runs
+    env.update(
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        PYTHONPATH=str(REPO),
+        TIERSTORE_METRICS_PORT=str(_free_port()),
+    )  # only to stay clear of other runs
     env.pop("XDG_RUNTIME_DIR", None)
-    proc = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "serve"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierstore.cli", "serve"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     socket_path = tmp_path / "cache" / "tierstore" / "run" / "tierstore.sock"
     try:
         deadline = time.monotonic() + 30

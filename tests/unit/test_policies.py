@@ -105,7 +105,9 @@ def test_rendezvous_target_is_deterministic_and_stable() -> None:
     targets = {s: rendezvous_target(s, members, exclude=members[0]) for s in map(str, range(200))}
     assert all(t is not None and t != members[0] for t in targets.values())
     assert len(set(targets.values())) == 7  # spread over the others
-    assert targets == {s: rendezvous_target(s, list(reversed(members)), members[0]) for s in targets}
+    assert targets == {
+        s: rendezvous_target(s, list(reversed(members)), members[0]) for s in targets
+    }
     fewer = [m for m in members if m != members[3]]
     moved = [s for s, t in targets.items() if rendezvous_target(s, fewer, members[0]) != t]
     assert all(targets[s] == members[3] for s in moved)  # only the removed member's sessions move
