@@ -21,6 +21,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -457,6 +458,8 @@ class StoreClient:
                 f"{len(keys)} blocks need {len(keys) * n}"
             )
         rows = out.reshape(-1).view(torch.uint8)[: len(keys) * n].view(len(keys), n)
+        # One deadline for the whole load, however many calls it takes.
+        deadline = time.monotonic() + deadline_s if deadline_s > 0 else None
         in_hbm = self.hbm.contains(keys) if self.hbm is not None else [False] * len(keys)
         tiers: list[TierName] = []
         i = 0
@@ -471,8 +474,13 @@ class StoreClient:
             end = i + 1  # a run of blocks the sidecar must supply
             while end < len(keys) and end - i < self.max_batch_keys and not in_hbm[end]:
                 end += 1
+            remaining_s = 0.0
+            if deadline is not None:
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    break
             got = self._load_run(
-                layout, keys[i:end], rows[i:end], promote, include_peers, deadline_s
+                layout, keys[i:end], rows[i:end], promote, include_peers, remaining_s
             )
             tiers.extend(got)
             i += len(got)
@@ -490,8 +498,9 @@ class StoreClient:
         include_peers: bool = False,
         deadline_s: float = 0.0,
     ) -> list[TierName]:
-        req = self._req(layout, keys, include_peers, deadline_s)
-        lookup = self._call(self._stub.Lookup, req, "lookup")
+        # The local tiers label the blocks; Acquire itself asks the peers
+        # (once) for what is missing here, so the lookup does not.
+        lookup = self._call(self._stub.Lookup, self._req(layout, keys), "lookup")
         with self.acquire(
             layout, keys, include_peers=include_peers, deadline_s=deadline_s
         ) as pinned:
@@ -505,7 +514,8 @@ class StoreClient:
                             self._copy(slot, view)
             self._sync()  # copies out of the arena end before the pins go
             tiers = [TIER_BY_CODE[c] for c in lookup.tiers[: len(pinned.keys)]]
-            return tiers + [TierName.DRAM] * (len(pinned.keys) - len(tiers))
+            beyond = TierName.PEER if include_peers else TierName.DRAM  # raced in meanwhile
+            return tiers + [beyond] * (len(pinned.keys) - len(tiers))
 
     def prefetch(
         self,

@@ -133,7 +133,7 @@ class PeerConfig:
     replica_bytes: int = 4 << 30  # space given to other hosts' replicas (max_gib)
     peer_lookup_timeout_s: float = 0.5  # deadline of a lookup across the group
     fetch_timeout_s: float = 30.0  # deadline of one transfer
-    replicate_timeout_s: float = 60.0  # deadline of one replica push
+    replicate_timeout_s: float = 20.0  # deadline of one replica push (below client timeouts)
     compression: str = "auto"  # auto | none | zstd: transfers over byte-split zstd
     max_transfers: int = 8  # concurrent outgoing transfers served
     replicate_queue_max: int = 64  # replica pushes waiting; more are dropped and counted

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from tierstore.config import StoreConfig
 from tierstore.errors import BlockSizeError, LayoutError
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.policies import make_admission_policy, make_eviction_policy
+from tierstore.replicas import ReplicaLedger
 from tierstore.tiers.arena import Arena
 from tierstore.tiers.base import TierName, TierStats
 from tierstore.tiers.dram import DramEntry, DramTier, ReserveStatus
@@ -108,10 +108,9 @@ class TieredStore:
         self._evict_lock = threading.Lock()
         self._promotions: dict[BlockKey, _Promotion] = {}
         self._promotions_lock = threading.Lock()
-        # Blocks imported for other hosts (kv_share), oldest first: they are
-        # evicted before the host's own blocks and bounded by a budget.
-        self._replicas: OrderedDict[BlockKey, int] = OrderedDict()
-        self._replicas_lock = threading.Lock()
+        # Blocks imported for other hosts (kv_share): evicted before the
+        # host's own blocks and bounded by a budget.
+        self.replicas = ReplicaLedger()
         self._high_bytes = int(config.dram_high_watermark * self.dram.allocator.capacity_bytes)
         self._low_bytes = int(config.dram_low_watermark * self.dram.allocator.capacity_bytes)
         self._wake = threading.Condition()
@@ -265,53 +264,45 @@ class TieredStore:
 
     # -- replicas (kv_share) ---------------------------------------------------------
 
-    def mark_replicas(self, layout: KVLayout, keys: Sequence[BlockKey]) -> None:
-        """Count committed blocks imported for another host against the replica budget."""
-        with self._replicas_lock:
-            for key in keys:
-                self._replicas[key] = layout.block_bytes
-                self._replicas.move_to_end(key)
-
     def adopt(self, keys: Sequence[BlockKey]) -> None:
         """Blocks a local engine used are this host's own now, not replicas."""
-        if self._replicas:
-            with self._replicas_lock:
-                for key in keys:
-                    self._replicas.pop(key, None)
+        if self.replicas:
+            self.replicas.discard(keys)
 
     def replica_bytes(self) -> int:
-        """Bytes of replicas still held in some tier (answers from the tiers)."""
+        """Bytes of replicas still held in some tier (asked of the tiers)."""
         self._prune_replicas()
-        with self._replicas_lock:
-            return sum(self._replicas.values())
+        return self.replicas.used_bytes()
 
     def make_replica_room(self, nbytes: int, budget_bytes: int) -> bool:
-        """Drop the oldest replicas until ``nbytes`` more fit in the budget."""
+        """Promise ``nbytes`` of replica room within the budget, dropping the
+        oldest replicas as needed; settle it with ``finish_replica_import``."""
         if nbytes > budget_bytes:
             return False
         self._prune_replicas()
-        while True:
-            with self._replicas_lock:
-                used = sum(self._replicas.values())
-                if used + nbytes <= budget_bytes:
-                    return True
-                if not self._replicas:
-                    return False
-                key, _ = self._replicas.popitem(last=False)
+        for key in self.replicas.oldest():
+            if self.replicas.reserve(nbytes, budget_bytes):
+                return True
             self.drop([key])
+            if not self._held([key])[0]:  # a pinned replica stays, and stays counted
+                self.replicas.discard([key])
+        return self.replicas.reserve(nbytes, budget_bytes)
 
-    def _prune_replicas(self) -> None:
-        with self._replicas_lock:
-            keys = list(self._replicas)
-        if not keys:
-            return
+    def finish_replica_import(
+        self, reserved_bytes: int, layout: KVLayout, keys: Sequence[BlockKey]
+    ) -> None:
+        self.replicas.settle(reserved_bytes, keys, layout.block_bytes)
+
+    def _held(self, keys: Sequence[BlockKey]) -> list[bool]:
         held = self.dram.contains(keys)
         if self.nvme is not None:
             held = [a or b for a, b in zip(held, self.nvme.contains(keys))]
-        with self._replicas_lock:
-            for key, present in zip(keys, held):
-                if not present:
-                    self._replicas.pop(key, None)
+        return held
+
+    def _prune_replicas(self) -> None:
+        keys = self.replicas.oldest()
+        if keys:
+            self.replicas.discard([k for k, h in zip(keys, self._held(keys)) if not h])
 
     # -- moving blocks down -------------------------------------------------------
 
@@ -346,10 +337,8 @@ class TieredStore:
     def _take_victims(self, want_bytes: int) -> list[DramEntry]:
         victims: list[DramEntry] = []
         freed = 0
-        if self._replicas:  # other hosts' replicas leave DRAM before our own blocks
-            with self._replicas_lock:
-                candidates = list(self._replicas)[: self.config.demote_batch_blocks]
-            for victim in self.dram.take(candidates):
+        if self.replicas:  # other hosts' replicas leave DRAM before our own blocks
+            for victim in self.dram.take(self.replicas.oldest(self.config.demote_batch_blocks)):
                 if freed >= want_bytes:
                     self.dram.untake(victim)
                     continue

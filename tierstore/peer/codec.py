@@ -16,6 +16,7 @@ Pure functions; safe from any thread.
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 import zstandard
@@ -37,19 +38,46 @@ def compress(block: memoryview, layout: KVLayout) -> bytes | None:
     """Byte-split zstd of a block, or None when it would not shrink."""
     if not can_bytesplit(layout):
         return None
-    planes = np.frombuffer(block, dtype=np.uint8).reshape(-1, 2).T
-    out = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(np.ascontiguousarray(planes).data)
+    words = np.frombuffer(block, dtype="<u2")
+    planes = np.empty(len(block), dtype=np.uint8)
+    half = len(words)
+    # Low bytes, then high bytes: shifts on 16-bit words run at memory speed,
+    # a strided byte transpose does not (4x slower here).
+    np.bitwise_and(words, 0xFF, out=planes[:half], casting="unsafe")
+    np.right_shift(words, 8, out=planes[half:], casting="unsafe")
+    out = _compressor().compress(planes.data)
     return out if len(out) < len(block) else None
 
 
 def decompress_into(payload: memoryview, out: memoryview) -> None:
     """Undo ``compress`` into ``out`` (exactly the block's size) or raise ValueError."""
     n = len(out)
-    planes = zstandard.ZstdDecompressor().decompress(payload, max_output_size=n)
+    if n % 2:
+        raise ValueError(f"byte-split blocks have an even size, got {n}")
+    planes = _decompressor().decompress(payload, max_output_size=n)
     if len(planes) != n:
         raise ValueError(f"decompressed {len(planes)} bytes, expected {n}")
-    dst = np.frombuffer(out, dtype=np.uint8).reshape(-1, 2)
-    dst[:] = np.frombuffer(planes, dtype=np.uint8).reshape(2, -1).T
+    raw = np.frombuffer(planes, dtype=np.uint8)
+    words = np.frombuffer(out, dtype="<u2")
+    np.left_shift(raw[n // 2 :], 8, out=words, dtype=np.uint16)
+    np.bitwise_or(words, raw[: n // 2], out=words)
+
+
+_local = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    """One compression context per thread: contexts are not thread-safe, and
+    making one per block costs more than compressing a small block."""
+    if not hasattr(_local, "cctx"):
+        _local.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    return _local.cctx
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_local, "dctx"):
+        _local.dctx = zstandard.ZstdDecompressor()
+    return _local.dctx
 
 
 def max_payload_bytes(block_bytes: int) -> int:

@@ -19,6 +19,7 @@ Threads: one accept thread, one thread per transfer (at most
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import itertools
 import logging
@@ -31,6 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import blake3
 
@@ -42,6 +44,9 @@ from tierstore.tiers.dram import ReserveStatus
 log = logging.getLogger(__name__)
 
 SEND_CHUNK_BLOCKS = 8
+HANDSHAKE_TIMEOUT_S = 2.0  # a connection must present its ticket this fast
+MAX_HANDSHAKES = 64  # connections waiting to present a ticket; more are closed
+VERIFY_THREADS = 2  # single-threaded blake3 workers per transfer (faster than AUTO here)
 TRANSFER_OWNER_BASE = 1 << 48  # owner ids of transfers, apart from engine clients
 _owner_ids = itertools.count(TRANSFER_OWNER_BASE)
 
@@ -88,6 +93,7 @@ class DataServer:
         self._tickets: dict[bytes, _Transfer] = {}
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_transfers)
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._closing = False
         self._accept_thread = threading.Thread(
             target=self._accept_loop, name="tierstore-data-accept", daemon=True
@@ -119,7 +125,9 @@ class DataServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
+            # Only connections that present a valid ticket in time take a
+            # transfer slot: idle connects cannot block fetches.
+            if not self._handshakes.acquire(blocking=False):
                 self.counters.refused_busy += 1
                 conn.close()
                 continue
@@ -128,54 +136,72 @@ class DataServer:
             ).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        handshaking, sending = True, False
         try:
-            conn.settimeout(self.ticket_ttl_s)
+            deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
                 conn = self.ssl_context.wrap_socket(conn, server_side=True)
-            ticket = recv_exact(conn, codec.TICKET_BYTES)
-            transfer = self._take_ticket(ticket)
+            ticket = bytearray(codec.TICKET_BYTES)
+            recv_into_exact(conn, memoryview(ticket), deadline)
+            handshaking = False
+            self._handshakes.release()
+            transfer = self._take_ticket(bytes(ticket))
             if transfer is None:
                 self.counters.bad_tickets += 1
                 return
+            if not self._slots.acquire(blocking=False):
+                self.counters.refused_busy += 1
+                return
+            sending = True
             self.counters.transfers += 1
-            self._send(conn, transfer)
+            self._send(conn, transfer, time.monotonic() + self.ticket_ttl_s)
         except (OSError, TransferError, ssl.SSLError) as e:
             self.counters.send_errors += 1
             log.debug("data channel send ended: %s", e)
         finally:
             conn.close()
-            self._slots.release()
+            if handshaking:
+                self._handshakes.release()
+            if sending:
+                self._slots.release()
 
-    def _send(self, conn: socket.socket, transfer: _Transfer) -> None:
+    def _pin_chunk(self, layout: KVLayout, chunk: list[BlockKey], owner: int) -> list[Any]:
+        """Pin (promoting from NVMe) and hash a chunk: runs one chunk ahead of
+        the socket, so neither the NVMe read nor blake3 holds up ``sendall``."""
+        entries = self.store.acquire(layout, chunk, owner)
+        for entry in entries:
+            self.store.digest(entry)
+        return entries
+
+    def _send(self, conn: socket.socket, transfer: _Transfer, deadline: float) -> None:
         owner = next(_owner_ids)
         layout, keys = transfer.layout, transfer.keys
         chunks = [keys[i : i + SEND_CHUNK_BLOCKS] for i in range(0, len(keys), SEND_CHUNK_BLOCKS)]
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="tierstore-data-read") as ahead:
-                # Pin (and promote) the next chunk while this one is on the wire.
                 pending: Future | None = (
-                    ahead.submit(self.store.acquire, layout, chunks[0], owner) if chunks else None
+                    ahead.submit(self._pin_chunk, layout, chunks[0], owner) if chunks else None
                 )
                 for i, chunk in enumerate(chunks):
                     assert pending is not None
                     entries = pending.result()
                     pending = (
-                        ahead.submit(self.store.acquire, layout, chunks[i + 1], owner)
+                        ahead.submit(self._pin_chunk, layout, chunks[i + 1], owner)
                         if i + 1 < len(chunks) and len(entries) == len(chunk)
                         else None
                     )
                     try:
                         for entry in entries:
                             view = self.store.view(entry)
-                            digest = self.store.digest(entry)
                             payload = codec.compress(view, layout) if transfer.compress else None
                             flags = codec.FLAG_ZSTD_BYTESPLIT if payload is not None else 0
                             body = payload if payload is not None else view
-                            conn.sendall(
-                                codec.FRAME.pack(entry.key, digest, len(body), entry.nbytes, flags)
+                            header = codec.FRAME.pack(
+                                entry.key, self.store.digest(entry), len(body), entry.nbytes, flags
                             )
-                            conn.sendall(body)
+                            send_all(conn, [header, body], deadline)
                             self.counters.blocks_sent += 1
                             self.counters.bytes_sent += len(body)
                     finally:
@@ -187,23 +213,43 @@ class DataServer:
             # runs: drop every pin it holds (the read-ahead chunk after an
             # error or a gap too).
             self.store.release_owner(owner)
-        conn.sendall(codec.end_frame())
+        send_all(conn, [codec.end_frame()], deadline)
 
     def close(self) -> None:
         self._closing = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
         self._sock.close()
         self._accept_thread.join(timeout=5)
 
 
-def recv_exact(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    recv_into_exact(conn, memoryview(buf))
-    return bytes(buf)
+def send_all(conn: socket.socket, parts: list[Any], deadline: float) -> None:
+    """Send every byte of ``parts`` (one sendmsg when possible) by ``deadline``."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferError("send deadline passed")
+        conn.settimeout(remaining)
+        sent = conn.sendmsg(views) if not isinstance(conn, ssl.SSLSocket) else conn.send(views[0])
+        while sent and views:
+            if sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
 
 
-def recv_into_exact(conn: socket.socket, view: memoryview) -> None:
+def recv_into_exact(conn: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill ``view`` from ``conn`` by the absolute ``deadline`` (a peer that
+    drips bytes cannot stretch it: the timeout is re-armed with what is left)."""
     got = 0
     while got < len(view):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferError(f"deadline passed after {got} of {len(view)} bytes")
+        conn.settimeout(remaining)
         n = conn.recv_into(view[got:])
         if n == 0:
             raise TransferError(f"connection closed after {got} of {len(view)} bytes")
@@ -253,16 +299,13 @@ def receive_blocks(
             store.commit(ready, owner)
             committed.extend(ready)
 
-    with ThreadPoolExecutor(1, thread_name_prefix="tierstore-verify") as verifier:
+    header = bytearray(codec.FRAME.size)
+    with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="tierstore-verify") as verifier:
         try:
             for key in keys:
                 if failed:
                     break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TransferError("deadline passed")
-                conn.settimeout(remaining)
-                header = recv_exact(conn, codec.FRAME.size)
+                recv_into_exact(conn, memoryview(header), deadline)
                 got_key, digest, payload_bytes, block_bytes, flags = codec.FRAME.unpack(header)
                 if flags & codec.FLAG_END:
                     break  # the sender holds no more of the prefix
@@ -279,7 +322,7 @@ def receive_blocks(
                 )
                 if flags & codec.FLAG_ZSTD_BYTESPLIT:
                     payload = memoryview(bytearray(payload_bytes))
-                    recv_into_exact(conn, payload)
+                    recv_into_exact(conn, payload, deadline)
                     try:
                         codec.decompress_into(payload, slot)
                     except Exception as e:  # zstd raises its own error types on garbage
@@ -287,7 +330,7 @@ def receive_blocks(
                 elif payload_bytes != size:
                     raise TransferError(f"raw payload of {payload_bytes} bytes, want {size}")
                 else:
-                    recv_into_exact(conn, slot)
+                    recv_into_exact(conn, slot, deadline)
                 result.bytes += payload_bytes
                 if slot is not scratch:  # held already or no room: not ours to keep
                     pending.append((key, verifier.submit(_matches, slot, digest)))
@@ -303,8 +346,5 @@ def receive_blocks(
 
 
 def _matches(view: memoryview, digest: bytes) -> bool:
-    hasher = (
-        blake3.blake3(max_threads=blake3.blake3.AUTO) if len(view) >= 1 << 20 else blake3.blake3()
-    )
-    hasher.update(view)
-    return hmac.compare_digest(hasher.digest(), digest)
+    # One thread per block; blocks are verified in parallel by the pool.
+    return hmac.compare_digest(blake3.blake3(view).digest(), digest)

@@ -41,6 +41,14 @@ from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 log = logging.getLogger(__name__)
 
 MAX_SESSIONS = 4096  # sessions whose last turn's keys are remembered
+LINK_PROBE_MIN_BYTES = 16 << 20  # raw transfers at least this large measure the link
+LINK_REPROBE_EVERY = 8  # with compression on, every 8th transfer goes raw to re-measure
+REPLICATOR_THREADS = 4  # replica pushes in flight at once
+RECONNECT_OPTIONS = [  # a restarted peer is seen again within ~2 s (gRPC default: up to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 MAX_MESSAGE_BYTES = 4 << 20
 
 
@@ -68,6 +76,7 @@ class PeerClient:
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *RECONNECT_OPTIONS,
         ]
         if cfg.tls_ca_file:
             creds = grpc.ssl_channel_credentials(
@@ -83,7 +92,8 @@ class PeerClient:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = peer_pb2_grpc.PeerServiceStub(self._channel)
         self._ssl = client_ssl_context(cfg)
-        self.link_bytes_per_s = 0.0  # measured on raw transfers (EWMA)
+        self.link_bytes_per_s = 0.0  # measured on large raw transfers (EWMA)
+        self.transfers = 0
 
     def lookup_future(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> Any:
         req = peer_pb2.PeerKeysRequest(layout=layout_proto(layout), keys=b"".join(keys))
@@ -124,7 +134,10 @@ class PeerClient:
         finally:
             conn.close()
         elapsed = time.monotonic() - started
-        if not compress and result.bytes and elapsed > 0:
+        self.transfers += 1
+        # Only large raw transfers say how fast the link is: a small one is
+        # mostly connection set-up and would read as a slow link.
+        if not compress and result.bytes >= LINK_PROBE_MIN_BYTES and elapsed > 0:
             rate = result.bytes / elapsed
             self.link_bytes_per_s = (
                 rate if not self.link_bytes_per_s else (0.7 * self.link_bytes_per_s + 0.3 * rate)
@@ -193,12 +206,18 @@ class PeerTier:
         }
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, tuple[KVLayout, list[BlockKey]]] = OrderedDict()
-        self._compress_bytes_per_s = _measure_compression()
+        self._codec_bytes_per_s = _measure_codec()
         self._pushes: queue.Queue[_Push | None] = queue.Queue(maxsize=cfg.replicate_queue_max)
-        self._replicator = threading.Thread(
-            target=self._replicate_loop, name="tierstore-replicator", daemon=True
-        )
-        self._replicator.start()
+        # Several workers: one slow or dead target must not hold up the pushes
+        # to the others.
+        self._replicators = [
+            threading.Thread(
+                target=self._replicate_loop, name=f"tierstore-replicator-{i}", daemon=True
+            )
+            for i in range(REPLICATOR_THREADS)
+        ]
+        for t in self._replicators:
+            t.start()
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -269,7 +288,9 @@ class PeerTier:
             return False
         if self.cfg.compression == "zstd":
             return True
-        return 0 < peer.link_bytes_per_s < self._compress_bytes_per_s
+        if peer.transfers % LINK_REPROBE_EVERY == LINK_REPROBE_EVERY - 1:
+            return False  # keep the link estimate current
+        return 0 < peer.link_bytes_per_s < self._codec_bytes_per_s
 
     # -- kv_share: the sending side ---------------------------------------------------
 
@@ -348,23 +369,32 @@ class PeerTier:
         reply.rejected = len(missing) - fits
         self.count("replicas_rejected", reply.rejected)
         peer = self.clients.get(source)
-        if peer is None:
-            log.warning("replica push from %s, which is not in this group's peers", source)
-            return reply
-        result = self._fetch(peer, layout, missing[:fits], deadline)
-        self.store.mark_replicas(layout, result.keys)
-        self.count("replicas_imported", result.received)
-        reply.imported = result.received
-        reply.bytes = result.bytes
+        reserved = fits * layout.block_bytes
+        committed: list[BlockKey] = []
+        try:
+            if peer is None:
+                log.warning("replica push from %s, which is not in this group's peers", source)
+                return reply
+            result = self._fetch(peer, layout, missing[:fits], deadline)
+            committed = result.keys
+            reply.bytes = result.bytes
+        finally:
+            self.store.finish_replica_import(reserved, layout, committed)
+        self.count("replicas_imported", len(committed))
+        reply.imported = len(committed)
         reply.import_s = time.monotonic() - started
         return reply
 
     def close(self) -> None:
-        try:
-            self._pushes.put_nowait(None)
-        except queue.Full:
-            pass
-        self._replicator.join(timeout=5)
+        while True:  # queued pushes are dropped: the process is going away
+            try:
+                self._pushes.get_nowait()
+            except queue.Empty:
+                break
+        for _ in self._replicators:
+            self._pushes.put(None)
+        for t in self._replicators:
+            t.join(timeout=self.cfg.replicate_timeout_s + 5)
         for c in self.clients.values():
             c.close()
 
@@ -375,12 +405,19 @@ def _rpc_text(e: BaseException) -> str:
     return str(e)
 
 
-def _measure_compression() -> float:
-    """Bytes/s of byte-split zstd on fp16-like data on this host (about 10 ms)."""
+def _measure_codec() -> float:
+    """Bytes/s of the slower of byte-split zstd compression and decompression
+    on fp16-like data on this host (a few ms): a link slower than this gains
+    from compression, a faster one loses."""
     import numpy as np
 
     sample = np.random.default_rng(0).standard_normal(1 << 19).astype(np.float16).tobytes()
     layout = KVLayout("probe", 1, 1, 64, "float16", 16)
     t0 = time.perf_counter()
-    codec.compress(memoryview(sample), layout)
-    return len(sample) / max(time.perf_counter() - t0, 1e-6)
+    packed = codec.compress(memoryview(sample), layout)
+    t1 = time.perf_counter()
+    if packed is None:
+        return 0.0
+    codec.decompress_into(memoryview(packed), memoryview(bytearray(len(sample))))
+    t2 = time.perf_counter()
+    return len(sample) / max(t1 - t0, t2 - t1, 1e-6)

@@ -1,0 +1,499 @@
+"""Benchmark of the peer tier between real sidecars on loopback, next to raw TCP.
+
+    python bench/peer.py --json [--quick] [--profile DIR]
+
+Starts three sidecars (``python -m tierstore.cli serve`` in a temporary
+directory, peers of one group on 127.0.0.1, NVMe off, DRAM large enough and
+watermarks high enough that nothing is evicted): A holds the blocks; B fetches
+them uncompressed (``compression=none``); Z fetches them compressed
+(``compression=zstd``, byte-split zstd asked by the receiver). The delta is
+247 MiB rounded up to whole 2 MiB blocks (``--quick``: 32 MiB) of bf16
+normal-distributed values (KV-like: random bytes would not compress), layout
+``KVLayout("bench-8b", 32, 8, 128, "bfloat16", 16)``. Each figure uses keys
+that the receiver does not hold and that A has never sent (so A hashes each
+block once, as on a first send). Throughputs are GB/s (1e9 bytes/s).
+
+Prints one JSON object:
+
+- ``raw_tcp_gbps``: the limit: one Python TCP stream on loopback between two
+  processes, sender ``sendall`` of a page-aligned buffer in 2 MiB pieces,
+  receiver ``recv_into`` a page-aligned buffer; best of 3 of the delta's size,
+  measured before and after the sidecar runs (the better one: shared machines
+  drift; both are reported as ``raw_tcp_before_gbps`` / ``raw_tcp_after_gbps``);
+- ``peer_fetch_gbps``: the pull alone as an engine sees it: one
+  ``client.acquire(keys, include_peers=True)`` on B, which is B's peer lookup
+  (gRPC to A), OpenFetch (gRPC), the data channel stream, blake3 verify, commit
+  and pin, and ends with the blocks resident in B's arena (zero-copy views; no
+  copy out of the arena). ``peer_load_gbps``: one ``client.load(...,
+  include_peers=True)`` into a page-aligned tensor, which adds a second
+  lookup and the copy out of the arena. Ratios ``*_vs_raw_tcp``;
+- ``import_s``: a replica push of the delta from A to B,
+  ``end_turn(..., wait=True)``'s ``push_s`` (B's ``ReplicateReply.import_s``:
+  from B receiving the Replicate call until the delta is verified and resident
+  in its DRAM), next to ``import_wall_s`` (the whole end_turn call);
+- the same on Z with the ``zstd_`` prefix, and ``zstd_ratio``: bytes of the
+  blocks over payload bytes on the wire (B's ``peer_fetched_bytes``);
+- ``memcpy_gbps`` and ``blake3_gbps`` (all threads, per 2 MiB block) of this
+  run: what receiving and verifying cost at best.
+
+With ``--profile DIR``, py-spy samples A (sender) and B (receiver) during
+PROFILE_ROUNDS more fetches of the delta (not in the figures) and DIR gets the
+raw stacks and a summary (``profile.txt``) of where each side's threads spend
+time, idle waits included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import math
+import mmap
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # the checkout, whatever `pip install -e` points at
+
+import blake3  # noqa: E402
+import torch  # noqa: E402
+from common import GB, aligned_buffer, best_of, emit, memcpy_gbps, ratio  # noqa: E402
+
+from tierstore.client import StoreClient  # noqa: E402
+from tierstore.keys import BlockKey, KVLayout, chain_keys  # noqa: E402
+from tierstore.policies import rendezvous_target  # noqa: E402
+
+# 2 MiB blocks: 2 x 32 layers x 8 KV heads x 128 dim x 16 tokens x bf16.
+LAYOUT = KVLayout("bench-8b", 32, 8, 128, "bfloat16", 16)
+DELTA_MIB, QUICK_DELTA_MIB = 247, 32
+PIECE_BYTES = 2 << 20  # raw TCP: sendall / recv_into pieces
+RAW_ROUNDS = 3
+TOKEN = "bench-peer-token"
+SIDECAR_START_S = 60.0
+SIDECAR_STOP_S = 20.0
+DEADLINE_S = 60.0
+TARGETS = {"peer_fetch_vs_raw_tcp": 0.8, "import_s": 0.3}
+KEY_SETS = ("fetch", "load", "push")
+PROFILE_ROUNDS = 4  # fetches of the delta sampled with --profile
+
+
+# -- raw TCP, the limit -------------------------------------------------------------
+
+
+def raw_sender(address: str, nbytes: int, rounds: int) -> None:
+    """Child process: connect, then per round wait for a go byte and stream."""
+    buf = aligned_buffer(nbytes)
+    view = memoryview(buf)
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        for _ in range(rounds):
+            if conn.recv(1) != b"g":
+                return
+            for lo in range(0, nbytes, PIECE_BYTES):
+                conn.sendall(view[lo : lo + PIECE_BYTES])
+    view.release()
+    buf.close()
+
+
+def raw_tcp_gbps(nbytes: int, rounds: int = RAW_ROUNDS) -> float:
+    """Best of ``rounds`` streams of ``nbytes`` from a child process."""
+    buf = aligned_buffer(nbytes)
+    view = memoryview(buf)
+    best = math.inf
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(60)
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        cmd = [sys.executable, __file__, "--raw-sender", address, str(nbytes), str(rounds)]
+        child = subprocess.Popen(cmd, cwd=ROOT)
+        try:
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(60)
+                for _ in range(rounds):
+                    conn.sendall(b"g")
+                    t0 = time.perf_counter()
+                    got = 0
+                    while got < nbytes:
+                        n = conn.recv_into(view[got : got + PIECE_BYTES])
+                        if n == 0:
+                            raise RuntimeError("raw sender closed early")
+                        got += n
+                    best = min(best, time.perf_counter() - t0)
+            child.wait(60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    view.release()
+    buf.close()
+    return nbytes / best / GB
+
+
+# -- sidecars -------------------------------------------------------------------------
+
+
+class Sidecar:
+    def __init__(self, root: Path, port: int, peers: list[int], dram_bytes: int, *extra: str):
+        root.mkdir(parents=True)
+        self.root, self.port, self.socket = root, port, root / "s.sock"
+        self.address = f"127.0.0.1:{port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "tierstore.cli",
+            "serve",
+            "--socket",
+            str(self.socket),
+            "--nvme-dir",
+            str(root / "nvme"),
+            "--dram-bytes",
+            str(dram_bytes),
+            "--nvme-bytes",
+            "0",
+            "--metrics-port",
+            "0",
+            "--set",
+            "dram_segment_bytes=64MiB",
+            "--set",
+            "dram_high_watermark=1.0",
+            "--set",
+            "dram_low_watermark=0.95",
+            "--set",
+            "log_level=warning",
+            "--set",
+            f"peer_port={port}",
+            "--set",
+            f"peer_token={TOKEN}",
+            "--set",
+            "peers=" + ",".join(f"127.0.0.1:{p}" for p in peers),
+            "--set",
+            "min_tokens=16",
+            "--set",
+            "shutdown_grace_s=1",
+            *extra,
+        ]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        with open(root / "sidecar.log", "wb") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + SIDECAR_START_S
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = (self.root / "sidecar.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"a sidecar did not start (exit {self.proc.poll()}):\n{tail}")
+            time.sleep(0.05)
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def reap(self) -> None:
+        try:
+            self.proc.wait(SIDECAR_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for leftover in glob.glob(f"/dev/shm/tierstore-{self.proc.pid}-*"):
+            os.unlink(leftover)
+
+
+@contextmanager
+def group(tmp: Path, delta_bytes: int, profile: bool) -> Iterator[dict[str, Sidecar]]:
+    """A (holds every key set of both receivers), B (none), Z (zstd)."""
+    ports = {name: _free_port() for name in "abz"}
+    rx_dram = _round_up(len(KEY_SETS) * delta_bytes + (64 << 20), 64 << 20)
+    b_dram = rx_dram + (PROFILE_ROUNDS * delta_bytes if profile else 0)
+    specs = {
+        "a": (rx_dram + b_dram, ()),
+        "b": (b_dram, ("--set", "compression=none")),
+        "z": (rx_dram, ("--set", "compression=zstd")),
+    }
+    procs: dict[str, Sidecar] = {}
+    try:
+        for name, (dram, extra) in specs.items():
+            peers = [p for n, p in ports.items() if n != name and (name == "a" or n == "a")]
+            procs[name] = Sidecar(tmp / name, ports[name], peers, dram, *extra)
+        for p in procs.values():
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.reap()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+# -- data -------------------------------------------------------------------------------
+
+
+def kv_like_blocks(num_blocks: int, seed: int) -> torch.Tensor:
+    """(num_blocks, block_bytes) uint8, page-aligned: bf16 of N(0, 1) values."""
+    buf = mmap.mmap(-1, num_blocks * LAYOUT.block_bytes)
+    out = torch.frombuffer(buf, dtype=torch.uint8).view(num_blocks, LAYOUT.block_bytes)
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(num_blocks):
+        values = torch.randn(LAYOUT.block_bytes // 2, generator=gen, dtype=torch.float32)
+        out[i].view(torch.bfloat16).copy_(values.to(torch.bfloat16))
+    return out
+
+
+def aligned_rows(num_blocks: int) -> torch.Tensor:
+    buf = mmap.mmap(-1, num_blocks * LAYOUT.block_bytes)
+    out = torch.frombuffer(buf, dtype=torch.uint8).view(num_blocks, LAYOUT.block_bytes)
+    out.zero_()
+    return out
+
+
+def key_sets(num_blocks: int, receiver: str, profile: bool) -> dict[str, list[BlockKey]]:
+    """Fresh keys per figure (and per profiled round): token ids apart per set."""
+    names = list(KEY_SETS) + ([f"profile{i}" for i in range(PROFILE_ROUNDS)] if profile else [])
+    base = 10**8 * (1 + "bz".index(receiver))
+    return {
+        name: chain_keys(LAYOUT, np.arange(num_blocks * LAYOUT.block_tokens) + base + i * 10**6)
+        for i, name in enumerate(names)
+    }
+
+
+def session_to(target: str, members: list[str], source: str, prefix: str) -> str:
+    for i in range(1000):
+        if rendezvous_target(f"{prefix}-{i}", members, exclude=source) == target:
+            return f"{prefix}-{i}"
+    raise RuntimeError("no session id hashes to the target")
+
+
+def blake3_gbps(data: torch.Tensor) -> float:
+    views = [memoryview(row.numpy()) for row in data]
+
+    def hash_all() -> None:
+        for v in views:
+            h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            h.update(v)
+            h.digest()
+
+    return data.numel() / best_of(2, hash_all) / GB
+
+
+# -- the measured runs ----------------------------------------------------------------------
+
+
+def measure_receiver(
+    a: StoreClient,
+    rx: StoreClient,
+    procs: dict[str, Sidecar],
+    name: str,
+    keys: dict[str, list[BlockKey]],
+    data: torch.Tensor,
+) -> dict[str, Any]:
+    n, delta = len(keys["fetch"]), data.numel()
+    out: dict[str, Any] = {}
+    fetched0 = rx.stat().counters["peer_fetched_bytes"]
+
+    t0 = time.perf_counter()
+    pinned = rx.acquire(LAYOUT, keys["fetch"], include_peers=True, deadline_s=DEADLINE_S)
+    fetch_s = time.perf_counter() - t0
+    got = len(pinned.keys)
+    pinned.release()
+    if got != n:
+        raise RuntimeError(f"{name}: fetched {got} of {n} blocks")
+    payload = rx.stat().counters["peer_fetched_bytes"] - fetched0
+    check = rx.load(LAYOUT, keys["fetch"])
+    if not torch.equal(check.blocks, data):
+        raise RuntimeError(f"{name}: fetched bytes differ from the stored ones")
+
+    rows = aligned_rows(n)
+    t0 = time.perf_counter()
+    res = rx.load(LAYOUT, keys["load"], rows, include_peers=True, deadline_s=DEADLINE_S)
+    load_s = time.perf_counter() - t0
+    if res.num_blocks != n or not torch.equal(rows, data):
+        raise RuntimeError(f"{name}: load moved {res.num_blocks} of {n} blocks or wrong bytes")
+
+    members = [p.address for p in procs.values()]
+    session = session_to(procs[name].address, members, procs["a"].address, f"bench-{name}")
+    t0 = time.perf_counter()
+    reply = a.end_turn(session, LAYOUT, keys["push"], n * LAYOUT.block_tokens, wait=True)
+    import_wall_s = time.perf_counter() - t0
+    if reply.pushed != n or rx.lookup(LAYOUT, keys["push"]).num_hits != n:
+        raise RuntimeError(f"{name}: the push imported {reply.pushed} of {n} blocks")
+
+    out["peer_fetch_gbps"] = delta / fetch_s / GB
+    out["peer_fetch_s"] = fetch_s
+    out["peer_load_gbps"] = delta / load_s / GB
+    out["import_s"] = reply.push_s
+    out["import_gbps"] = delta / reply.push_s / GB
+    out["import_wall_s"] = import_wall_s
+    out["payload_bytes"] = payload
+    return out
+
+
+def profile_fetch(
+    rx: StoreClient, procs: dict[str, Sidecar], rounds: list[list[BlockKey]], directory: Path
+) -> None:
+    """py-spy (idle samples too) on A and B while B fetches each key set of
+    ``rounds``; raw stacks and a per-thread summary in ``directory``."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        raise RuntimeError("--profile needs py-spy (pip install py-spy)")
+    directory.mkdir(parents=True, exist_ok=True)
+    spies = {}
+    for side, name in (("sender", "a"), ("receiver", "b")):
+        cmd = [
+            spy,
+            "record",
+            "--pid",
+            str(procs[name].proc.pid),
+            "--rate",
+            "250",
+            "--idle",
+            "--threads",
+        ]
+        cmd += ["--nonblocking", "--format", "raw", "--output", str(directory / f"{side}.txt")]
+        spies[side] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches
+    try:
+        for keys in rounds:
+            pinned = rx.acquire(LAYOUT, keys, include_peers=True, deadline_s=DEADLINE_S)
+            pinned.release()
+    finally:
+        for p in spies.values():
+            p.send_signal(signal.SIGINT)
+        for p in spies.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    lines = []
+    for side in spies:
+        lines += summarize_stacks(side, directory / f"{side}.txt")
+    (directory / "profile.txt").write_text("\n".join(lines) + "\n")
+
+
+PROFILED_THREADS = ("tierstore-data", "tierstore-verify", "tierstore-rpc", "tierstore-peer")
+
+
+def summarize_stacks(side: str, path: Path, top: int = 6) -> list[str]:
+    """Per tierstore thread kind: samples, and its innermost frames (self samples,
+    idle included: a thread parked on a lock or a socket shows where it waits)."""
+    if not path.exists():
+        return [f"{side}: no samples ({path} missing)"]
+    threads: collections.Counter[str] = collections.Counter()
+    leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        name = frames[0].partition(": ")[2].rstrip("_0123456789")
+        if not count.isdigit() or not name.startswith(PROFILED_THREADS):
+            continue
+        threads[name] += int(count)
+        leaves[name][frames[-1]] += int(count)
+    out = [f"== {side}"]
+    for name, total in threads.most_common():
+        out.append(f"  {name}: {total} samples")
+        out += [f"    {100 * n / total:5.1f}%  {f}" for f, n in leaves[name].most_common(top)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_DELTA_MIB} MiB delta")
+    parser.add_argument("--profile", metavar="DIR", help="py-spy both sides of more fetches")
+    parser.add_argument("--raw-sender", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.raw_sender:
+        raw_sender(args.raw_sender[0], int(args.raw_sender[1]), int(args.raw_sender[2]))
+        return
+    mib = QUICK_DELTA_MIB if args.quick else DELTA_MIB
+    num_blocks = -(-(mib << 20) // LAYOUT.block_bytes)
+    delta = num_blocks * LAYOUT.block_bytes
+    started = time.perf_counter()
+    raw_before = raw_tcp_gbps(delta)
+    data = kv_like_blocks(num_blocks, seed=0)
+    result: dict[str, Any] = {
+        "delta_bytes": delta,
+        "blocks": num_blocks,
+        "block_bytes": LAYOUT.block_bytes,
+        "dtype": LAYOUT.dtype,
+        "memcpy_gbps": memcpy_gbps(delta),
+        "blake3_gbps": blake3_gbps(data),
+    }
+    with tempfile.TemporaryDirectory(prefix="tierstore-bench-peer-") as tmp:
+        with group(Path(tmp), delta, bool(args.profile)) as procs, ExitStack() as stack:
+            a = stack.enter_context(StoreClient(str(procs["a"].socket), name="bench-a"))
+            figures = {}
+            for name in ("b", "z"):
+                rx = stack.enter_context(StoreClient(str(procs[name].socket), name=f"bench-{name}"))
+                keys = key_sets(num_blocks, name, bool(args.profile) and name == "b")
+                for ks in keys.values():
+                    if not all(a.store(LAYOUT, ks, data)):
+                        raise RuntimeError("A could not hold the delta")
+                figures[name] = measure_receiver(a, rx, procs, name, keys, data)
+                if name == "b" and args.profile:
+                    rounds = [v for k, v in keys.items() if k.startswith("profile")]
+                    profile_fetch(rx, procs, rounds, Path(args.profile))
+    raw_after = raw_tcp_gbps(delta)
+    raw = max(raw_before, raw_after)
+    b, z = figures["b"], figures["z"]
+    result.update(
+        {
+            "raw_tcp_gbps": raw,
+            "raw_tcp_before_gbps": raw_before,
+            "raw_tcp_after_gbps": raw_after,
+            "peer_fetch_gbps": b["peer_fetch_gbps"],
+            "peer_fetch_s": b["peer_fetch_s"],
+            "peer_load_gbps": b["peer_load_gbps"],
+            "peer_fetch_vs_raw_tcp": ratio(b["peer_fetch_gbps"], raw),
+            "peer_load_vs_raw_tcp": ratio(b["peer_load_gbps"], raw),
+            "import_s": b["import_s"],
+            "import_gbps": b["import_gbps"],
+            "import_vs_raw_tcp": ratio(b["import_gbps"], raw),
+            "import_wall_s": b["import_wall_s"],
+            "zstd_peer_fetch_gbps": z["peer_fetch_gbps"],
+            "zstd_peer_load_gbps": z["peer_load_gbps"],
+            "zstd_peer_fetch_vs_raw_tcp": ratio(z["peer_fetch_gbps"], raw),
+            "zstd_import_s": z["import_s"],
+            "zstd_import_wall_s": z["import_wall_s"],
+            "zstd_payload_bytes": z["payload_bytes"],
+            "zstd_ratio": round(delta / z["payload_bytes"], 3) if z["payload_bytes"] else 0.0,
+            "uncompressed_payload_bytes": b["payload_bytes"],
+        }
+    )
+    result["targets"] = TARGETS
+    result["meets_targets"] = {
+        "peer_fetch_vs_raw_tcp": result["peer_fetch_vs_raw_tcp"]
+        >= TARGETS["peer_fetch_vs_raw_tcp"],
+        "import_s": result["import_s"] <= TARGETS["import_s"],
+    }
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

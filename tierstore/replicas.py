@@ -1,0 +1,63 @@
+"""ReplicaLedger: which blocks held here are other hosts' replicas (kv_share),
+oldest first, and the bytes promised to replica imports still in flight.
+
+Pure bookkeeping behind one lock, no I/O: residency is still answered by the
+tiers (the store prunes keys that no tier holds). The budget check and the
+promise of room are one step (``reserve``), so concurrent imports cannot
+together exceed the budget.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from tierstore.keys import BlockKey
+
+
+class ReplicaLedger:
+    def __init__(self) -> None:
+        self._blocks: OrderedDict[BlockKey, int] = OrderedDict()  # key -> bytes, oldest first
+        self._used_bytes = 0
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._blocks)
+
+    def oldest(self, limit: int | None = None) -> list[BlockKey]:
+        with self._lock:
+            keys = list(self._blocks)
+        return keys if limit is None else keys[:limit]
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used_bytes
+
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return self._pending_bytes
+
+    def reserve(self, nbytes: int, budget_bytes: int) -> bool:
+        """Promise ``nbytes`` of replica room if it fits the budget now."""
+        with self._lock:
+            if self._used_bytes + self._pending_bytes + nbytes > budget_bytes:
+                return False
+            self._pending_bytes += nbytes
+            return True
+
+    def settle(self, reserved_bytes: int, keys: Iterable[BlockKey], block_bytes: int) -> None:
+        """An import ended: its promise is released, what it committed is counted."""
+        with self._lock:
+            self._pending_bytes -= reserved_bytes
+            for key in keys:
+                if key not in self._blocks:
+                    self._used_bytes += block_bytes
+                self._blocks[key] = block_bytes
+                self._blocks.move_to_end(key)
+
+    def discard(self, keys: Iterable[BlockKey]) -> None:
+        with self._lock:
+            for key in keys:
+                self._used_bytes -= self._blocks.pop(key, 0)
