@@ -91,9 +91,13 @@ class ServerConfig:
     prefetch_timeout_per_1k_tokens_s: float = 0.02  # ... plus this per 1000 tokens
     prefetch_max_wait_s: float = 30.0  # longest a PREFETCH_WAIT call blocks
     shutdown_grace_s: float = 5.0  # in-flight calls get this long to finish on SIGTERM
-    log_level: str = "info"
+    log_level: str = "info"  # debug | info | warning | error
 
     def __post_init__(self) -> None:
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ConfigError(
+                f"log_level must be debug, info, warning, error or critical, got {self.log_level!r}"
+            )
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         for name in (
@@ -261,7 +265,11 @@ def load_config(
     env: dict[str, str] | None = None,
     overrides: dict[str, Any] | None = None,
 ) -> Config:
-    """Build the effective Config. Unknown keys are errors, not ignored."""
+    """Build the effective Config. Unknown keys are errors, not ignored.
+    Without ``path``, the file named by TIERSTORE_CONFIG is read, if set."""
+    environ = os.environ if env is None else env
+    if path is None and environ.get(ENV_PREFIX + "CONFIG"):
+        path = environ[ENV_PREFIX + "CONFIG"]
     index = _field_index()
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
 
@@ -287,7 +295,7 @@ def load_config(
                     put(name, inner, f"{path} [{key}]")
             else:
                 put(key, value, str(path))
-    for var, value in (os.environ if env is None else env).items():
+    for var, value in environ.items():
         if var.startswith(ENV_PREFIX) and var != ENV_PREFIX + "CONFIG":
             put(var[len(ENV_PREFIX) :].lower(), value, f"environment variable {var}")
     for name, value in (overrides or {}).items():

@@ -49,6 +49,8 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 _UINT32_MAX = 2**32 - 1
+MAX_LAYOUT_DIM = 1 << 20  # any one dimension of a layout
+MAX_BLOCK_BYTES = 1 << 34  # 16 GiB: far above any real block, far below overflow
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,8 @@ class KVLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"KVLayout.{name} must be a positive integer, got {value!r}")
+            if value > MAX_LAYOUT_DIM:
+                raise LayoutError(f"KVLayout.{name} must be at most {MAX_LAYOUT_DIM}, got {value}")
         if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(
                 f"KVLayout.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}"
@@ -87,6 +91,10 @@ class KVLayout:
             )
         if not isinstance(self.tenant_salt, str):
             raise LayoutError(f"KVLayout.tenant_salt must be a string, got {self.tenant_salt!r}")
+        if self.block_bytes > MAX_BLOCK_BYTES:
+            raise LayoutError(
+                f"a block of this layout is {self.block_bytes} bytes; at most {MAX_BLOCK_BYTES}"
+            )
         encoded = LAYOUT_VERSION + json.dumps(
             self.to_dict(), sort_keys=True, separators=(",", ":")
         ).encode("utf-8")
@@ -196,4 +204,7 @@ def check_key(key: object) -> BlockKey:
 
 
 def check_keys(keys: Sequence[object]) -> list[BlockKey]:
+    """``keys`` as a list of BlockKeys; raises KeyFormatError naming a bad one."""
+    if all(type(k) is bytes and len(k) == KEY_BYTES for k in keys):  # the common case, fast
+        return keys if isinstance(keys, list) else list(keys)  # type: ignore[return-value,arg-type]
     return [check_key(k) for k in keys]

@@ -17,9 +17,9 @@ message naming the running one; nothing of the first is touched.
 from __future__ import annotations
 
 import fcntl
-import itertools
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -104,7 +104,6 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         self.config = config
         self.prefetcher = Prefetcher(store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max)
         self._stopping = stopping
-        self._ids = itertools.count(STORE_OWNER + 1)
         self._clients: dict[int, ClientSession] = {}
         self._lock = threading.Lock()
         self.counters: dict[str, int] = {
@@ -133,22 +132,34 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{len(self._clients)} clients attached; max_clients is {self.cfg.max_clients}",
                 )
-            client_id = next(self._ids)
+            # Random, not sequential: another process on the socket cannot
+            # guess a live client's id to release or commit in its name.
+            client_id = secrets.randbits(62) + 1
+            while client_id in self._clients:
+                client_id = secrets.randbits(62) + 1
             self._clients[client_id] = ClientSession(
                 client_id, request.client_name[:128], request.pid, time.time()
             )
             self.counters["clients_attached"] += 1
         done = threading.Event()
-        context.add_callback(lambda: self._detach(client_id, done))
-        yield local_pb2.AttachEvent(
-            client_id=client_id,
-            arena_path=str(self.store.arena.path),
-            arena_bytes=self.store.arena.size_bytes,
-            server_version=__version__,
-            max_batch_keys=self.cfg.max_batch_keys,
-        )
-        while not done.wait(self.cfg.keepalive_s) and not self._stopping.is_set():
-            yield local_pb2.AttachEvent()
+        try:
+            # False: the call already ended (cancelled at once), and the
+            # callback will never run: detach below instead.
+            if not context.add_callback(lambda: self._detach(client_id, done)):
+                return
+            yield local_pb2.AttachEvent(
+                client_id=client_id,
+                arena_path=str(self.store.arena.path),
+                arena_bytes=self.store.arena.size_bytes,
+                server_version=__version__,
+                max_batch_keys=self.cfg.max_batch_keys,
+            )
+            while not done.wait(self.cfg.keepalive_s) and not self._stopping.is_set():
+                if not context.is_active():
+                    return
+                yield local_pb2.AttachEvent()
+        finally:
+            self._detach(client_id, done)
 
     def _detach(self, client_id: int, done: threading.Event) -> None:
         done.set()
@@ -314,7 +325,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
     def Prefetch(
         self, request: local_pb2.PrefetchRequest, context: grpc.ServicerContext
     ) -> local_pb2.PrefetchReply:
-        _, layout, keys = self._request(request, attached=False)
+        _, layout, keys = self._request(request)
         if not 0 <= request.timeout_s <= self.cfg.prefetch_max_wait_s:
             raise BadRequest(
                 grpc.StatusCode.INVALID_ARGUMENT,

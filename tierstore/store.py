@@ -122,6 +122,14 @@ class TieredStore:
 
     # -- layouts ----------------------------------------------------------------
 
+    def _check_fits(self, layout: KVLayout) -> None:
+        capacity = self.dram.allocator.capacity_bytes
+        if layout.block_bytes > capacity:
+            raise BlockSizeError(
+                f"a block of layout {layout.model!r} is {layout.block_bytes} bytes; "
+                f"the DRAM arena holds {capacity}"
+            )
+
     def register_layout(self, layout: KVLayout) -> bytes:
         with self._layouts_lock:
             self._layouts.setdefault(layout.fingerprint, layout)
@@ -151,6 +159,7 @@ class TieredStore:
         keys = check_keys(keys)
         fp = self.register_layout(layout)
         nbytes = layout.block_bytes
+        self._check_fits(layout)
         on_nvme = self.nvme.contains(keys) if self.nvme is not None else [False] * len(keys)
         out = []
         for key, elsewhere in zip(keys, on_nvme):
@@ -225,17 +234,28 @@ class TieredStore:
         blocks from NVMe as needed. The caller reads each entry's bytes via
         ``view`` and must ``release`` the returned keys with the same owner."""
         keys = check_keys(keys)
-        self.register_layout(layout)
+        fp = self.register_layout(layout)
         pinned = self.dram.pin(keys, owner)
         result: list[DramEntry] = []
-        for i, (key, entry) in enumerate(zip(keys, pinned)):
-            if entry is None:
-                entry = self._promote(layout, key, owner)
-            if entry is None:
-                rest = [k for k, e in zip(keys[i + 1 :], pinned[i + 1 :]) if e is not None]
-                self.dram.unpin(rest, owner)
-                break
-            result.append(entry)
+        try:
+            for i, (key, entry) in enumerate(zip(keys, pinned)):
+                if entry is not None and entry.layout_fp != fp:
+                    # Stored under another layout (keys embed the layout, so
+                    # only a confused caller gets here): a miss, never a read
+                    # of the wrong size.
+                    self.dram.unpin([key], owner)
+                    pinned[i] = entry = None
+                if entry is None:
+                    entry = self._promote(layout, key, owner)
+                if entry is None:
+                    break
+                result.append(entry)
+        except BaseException:
+            self.dram.unpin([e.key for e in result], owner)
+            raise
+        finally:
+            rest = [k for k, e in zip(keys[len(result) + 1 :], pinned[len(result) + 1 :]) if e]
+            self.dram.unpin(rest, owner)
         return result
 
     def release(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> int:
@@ -326,6 +346,8 @@ class TieredStore:
 
     def _make_room(self, nbytes: int) -> bool:
         """Evict synchronously until a slot of ``nbytes`` fits. False if it cannot."""
+        if nbytes > self.dram.allocator.capacity_bytes:
+            return False  # would never fit: evict nothing
         with self._evict_lock:
             while not self.dram.can_fit(nbytes):
                 victims = self._take_victims(nbytes)
@@ -415,31 +437,45 @@ class TieredStore:
                 self._promotions[key] = _Promotion()
         if running is not None:
             running.done.wait(self.config.promote_wait_s)
-            return self.dram.pin([key], owner)[0]
+            return self._pin_matching(key, layout.fingerprint, owner)
         try:
             return self._promote_now(layout, key, owner)
         finally:
             with self._promotions_lock:
                 self._promotions.pop(key).done.set()
 
-    def _promote_now(self, layout: KVLayout, key: BlockKey, owner: int) -> DramEntry | None:
-        if not self.nvme or not self.nvme.contains([key])[0]:
+    def _pin_matching(self, key: BlockKey, layout_fp: bytes, owner: int) -> DramEntry | None:
+        entry = self.dram.pin([key], owner)[0]
+        if entry is not None and entry.layout_fp != layout_fp:
+            self.dram.unpin([key], owner)
             return None
+        return entry
+
+    def _promote_now(self, layout: KVLayout, key: BlockKey, owner: int) -> DramEntry | None:
+        if not self.nvme:
+            return None
+        meta = self.nvme.meta(key)
         nbytes = layout.block_bytes
+        if meta is None or meta.nbytes != nbytes or meta.layout_fp != layout.fingerprint:
+            return None  # absent, or stored under another layout: a miss
         status, entry = self.dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
         if status == ReserveStatus.FULL and self._make_room(nbytes):
             status, entry = self.dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
         if status == ReserveStatus.EXISTS:
-            return self.dram.pin([key], owner)[0]
+            return self._pin_matching(key, layout.fingerprint, owner)
         if status != ReserveStatus.OK or entry is None:
             with self._counters_lock:
                 self.counters.promotion_failures += 1
             return None
         slot = self.arena.view(entry.offset, self.dram.allocator.slot_bytes(nbytes))
-        before = self.nvme.meta(key)
-        got = self.nvme.read_into(key, slot)
+        before = meta
+        try:
+            got = self.nvme.read_into(key, slot)
+        except BaseException:
+            self.dram.abort([key], STORE_OWNER)
+            raise
         after = self.nvme.meta(key)
-        if before is not None and after is not None and before.digest == after.digest:
+        if after is not None and before.digest == after.digest:
             # The read verified the bytes against this digest: peers need not hash again.
             entry.digest = before.digest
         if got != nbytes:

@@ -59,3 +59,14 @@ def test_bad_files(tmp_path) -> None:
     table.write_text("[nope]\nx = 1\n")
     with pytest.raises(ConfigError, match=r"unknown table \[nope\]"):
         load_config(table, env={})
+
+
+def test_config_file_from_environment(tmp_path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text("[server]\nmetrics_port = 1111\n")
+    assert load_config(env={"TIERSTORE_CONFIG": str(path)}).server.metrics_port == 1111
+
+
+def test_log_level_is_checked() -> None:
+    with pytest.raises(ConfigError, match="log_level"):
+        load_config(env={}, overrides={"log_level": "loud"})
