@@ -218,6 +218,19 @@ def _out_cache(out: Any) -> Any:
     return cache if cache is not None else out.past_key_values
 
 
+def _fill_layer(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Make an empty DynamicLayer hold ``keys``/``values`` without the copy
+    that ``update`` (torch.cat onto an empty tensor) would make; the model's
+    next ``update`` concatenates onto them, so views are fine."""
+    from transformers.cache_utils import DynamicLayer
+
+    if type(layer) is DynamicLayer and not layer.is_initialized:
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+    else:
+        layer.update(keys, values)
+
+
 def _layer_kv(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The (K, V) of each layer of a standard DynamicCache, or raise."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -310,15 +323,11 @@ class HFStoreAdapter:
             raise ValueError(f"min_compute_tokens must be at least 1, got {min_compute_tokens}")
         self.min_compute_tokens = min_compute_tokens
         self._staging: torch.Tensor | None = None
-        layers, kv_heads, head_dim = _kv_shape(model.config)
-        if (layers, kv_heads, head_dim) != (
-            self.layout.num_layers,
-            self.layout.num_kv_heads,
-            self.layout.head_dim,
-        ):
+        shape = (self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim)
+        if shape != _kv_shape(model.config):
             raise LayoutError(
-                f"layout {self.layout.num_layers}x{self.layout.num_kv_heads}x"
-                f"{self.layout.head_dim} does not match the model's {layers}x{kv_heads}x{head_dim}"
+                f"layout (layers, KV heads, head dim) {shape} != the model's "
+                f"{_kv_shape(model.config)}"
             )
         self.store_dtype: torch.dtype = getattr(torch, self.layout.dtype)
         self.kv_dtype: torch.dtype = model.dtype
@@ -354,13 +363,7 @@ class HFStoreAdapter:
         held = self.client.store(self.layout, keys[have:], blocks)
         return sum(held)
 
-    def end_turn(
-        self,
-        session: str,
-        token_ids: TokenIds,
-        *,
-        wait: bool = False,
-    ) -> Any:
+    def end_turn(self, session: str, token_ids: TokenIds, *, wait: bool = False) -> Any:
         """Tell the sidecar that ``session``'s turn ended with ``token_ids``
         (stored first with ``save``); long turns are replicated to peers."""
         ids = _as_ids(token_ids)
@@ -375,11 +378,7 @@ class HFStoreAdapter:
         return max(0, num_tokens - self.min_compute_tokens) // self.layout.block_tokens
 
     def resume(
-        self,
-        token_ids: TokenIds,
-        include_peers: bool = False,
-        *,
-        deadline_s: float = 0.0,
+        self, token_ids: TokenIds, include_peers: bool = False, *, deadline_s: float = 0.0
     ) -> ResumeResult:
         """Prefill ``token_ids``, reusing the longest stored prefix of whole
         blocks (local tiers, and peers with ``include_peers``) up to
@@ -402,11 +401,9 @@ class HFStoreAdapter:
         t1 = time.perf_counter()
         cache = self._new_cache()
         if blocks is not None and len(tiers):
-            device = self._device()
-            for layer, (k, v) in enumerate(
-                unpack_blocks(self.layout, blocks, self.kv_dtype, device)
-            ):
-                cache.layers[layer].update(k, v)
+            kv = unpack_blocks(self.layout, blocks, self.kv_dtype, self._device())
+            for layer, (k, v) in zip(cache.layers, kv, strict=True):
+                _fill_layer(layer, k, v)
         return self._forward(ids, cache, len(tiers), tiers, t1 - t0, time.perf_counter() - t1)
 
     def prefill(self, token_ids: TokenIds) -> ResumeResult:
