@@ -1,0 +1,83 @@
+"""Charts for docs/benchmarks.md from the benchmarks' JSON output.
+
+    python bench/ttft.py --json > ttft.json
+    python bench/peer.py --json > peer.json
+    python bench/plot.py --ttft ttft.json --peer peer.json --out docs/img
+
+Needs matplotlib (not a tierstore dependency: `pip install matplotlib`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def plot_ttft(data: dict, out: Path) -> None:
+    runs = data["runs"]
+    labels = [f"{r['tokens'] // 1024}k" for r in runs]
+    x = range(len(runs))
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=120)
+    ax.bar([i - 0.2 for i in x], [r["cold_ttft_s"] for r in runs], 0.4, label="cold (prefill)")
+    ax.bar([i + 0.2 for i in x], [r["warm_ttft_s"] for r in runs], 0.4, label="warm (tierstore)")
+    for i, r in enumerate(runs):
+        ax.annotate(
+            f"{r['speedup']:.0f}x",
+            (i + 0.2, r["warm_ttft_s"]),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
+    ax.set_yscale("log")
+    ax.set_xticks(list(x), labels)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token (s, log)")
+    m = data["model"]
+    ax.set_title(f"TTFT, random Llama {m['num_hidden_layers']}x{m['hidden_size']}, 2 CPU cores")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft.png")
+
+
+def plot_peer(data: dict, out: Path) -> None:
+    names = ["raw TCP", "peer fetch", "peer load", "import (push)", "fetch, zstd"]
+    vals = [
+        data["raw_tcp_gbps"],
+        data["peer_fetch_gbps"],
+        data["peer_load_gbps"],
+        data["import_gbps"],
+        data["zstd_peer_fetch_gbps"],
+    ]
+    fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=120)
+    bars = ax.barh(
+        names[::-1], vals[::-1], color=["#999", "#4c72b0", "#4c72b0", "#55a868", "#c44e52"][::-1]
+    )
+    for bar, v in zip(bars, vals[::-1]):
+        ax.text(v, bar.get_y() + bar.get_height() / 2, f" {v:.2f}", va="center", fontsize=9)
+    ax.set_xlabel("GB/s, loopback, same run")
+    ax.set_title(f"Peer transfer of a {data['delta_bytes'] / 2**20:.0f} MiB delta")
+    fig.tight_layout()
+    fig.savefig(out / "peer.png")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ttft", type=Path)
+    parser.add_argument("--peer", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("docs/img"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.ttft:
+        plot_ttft(json.loads(args.ttft.read_text()), args.out)
+    if args.peer:
+        plot_peer(json.loads(args.peer.read_text()), args.out)
+
+
+if __name__ == "__main__":
+    main()
