@@ -31,17 +31,12 @@ output) and each figure is its best round. 256 MiB per figure by default,
 from __future__ import annotations
 
 import argparse
-import ctypes
-import glob
 import mmap
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +47,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # the checkout, whatever `pip install -e` points at
 
 import torch  # noqa: E402
-from common import GB, best_of, emit, memcpy_gbps, ratio  # noqa: E402
+from common import GB, best_of, emit, memcpy_gbps, ratio, sidecar  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from tierstore.client import StoreClient  # noqa: E402
@@ -65,77 +60,7 @@ ROUNDS = 3  # interleaved memcpy / store / load rounds; each figure is its best 
 LOOKUP_KEYS = 200
 LOOKUP_WARMUP_CALLS = 200
 LOOKUP_CALLS = 2000
-SIDECAR_START_S = 60.0
-SIDECAR_STOP_S = 20.0
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 TARGETS = {"store_vs_memcpy": 0.5, "load_vs_memcpy": 0.5, "lookup_p50_us": 300.0}
-
-
-def _die_with_parent() -> None:
-    """Run in the sidecar child before exec: SIGTERM it when the benchmark
-    dies, even by SIGKILL, so that no sidecar outlives its benchmark."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@contextmanager
-def sidecar(tmp: Path, dram_bytes: int) -> Iterator[Path]:
-    """A sidecar in ``tmp`` for the duration of the block; stopped with
-    SIGTERM (SIGKILL after a timeout) and its arena removed even on error."""
-    sock = tmp / "s.sock"
-    log_path = tmp / "sidecar.log"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierstore.cli",
-        "serve",
-        "--socket",
-        str(sock),
-        "--nvme-dir",
-        str(tmp / "nvme"),
-        "--dram-bytes",
-        str(dram_bytes),
-        "--nvme-bytes",
-        "1GiB",
-        "--metrics-port",
-        "0",
-        "--set",
-        "dram_segment_bytes=64MiB",
-        "--set",
-        "dram_high_watermark=1.0",
-        "--set",
-        "dram_low_watermark=0.95",
-        "--set",
-        "log_level=warning",
-    ]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-        )
-    try:
-        deadline = time.monotonic() + SIDECAR_START_S
-        while not sock.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"the sidecar did not start (exit {proc.poll()}):\n{tail}")
-            time.sleep(0.05)
-        yield sock
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(SIDECAR_STOP_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for leftover in glob.glob(f"/dev/shm/tierstore-{proc.pid}-*"):
-            os.unlink(leftover)
 
 
 def aligned_blocks(num_blocks: int) -> torch.Tensor:

@@ -7,13 +7,19 @@ shared machines are noisy and only ratios compare across runs.
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import json
 import mmap
 import os
 import platform
+import signal
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -98,3 +104,56 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
 
 def ratio(value: float, limit: float) -> float:
     return round(value / limit, 3) if limit > 0 else 0.0
+
+
+SIDECAR_START_S = 60.0
+SIDECAR_STOP_S = 20.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _die_with_parent() -> None:
+    """Run in the sidecar child before exec: SIGTERM it when the benchmark
+    dies, even by SIGKILL, so that no sidecar outlives its benchmark."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@contextmanager
+def sidecar(tmp: Path, dram_bytes: int, *settings: str) -> Iterator[Path]:
+    """A `tierstore serve` in ``tmp`` (1 GiB of NVMe, no metrics, DRAM never
+    spilled by the watermarks) for the duration of the block; its socket is
+    yielded. ``settings`` are extra ``name=value`` pairs. Stopped with
+    SIGTERM (SIGKILL after a timeout) and its arena removed even on error."""
+    sock, log_path = tmp / "s.sock", tmp / "sidecar.log"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "tierstore.cli", "serve", "--socket", str(sock)]
+    cmd += ["--nvme-dir", str(tmp / "nvme"), "--dram-bytes", str(dram_bytes)]
+    cmd += ["--nvme-bytes", "1GiB", "--metrics-port", "0"]
+    defaults = ("dram_segment_bytes=64MiB", "dram_high_watermark=1.0", "dram_low_watermark=0.95",
+                "log_level=warning")  # fmt: skip
+    for setting in (*defaults, *settings):
+        cmd += ["--set", setting]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + SIDECAR_START_S
+        while not sock.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"the sidecar did not start (exit {proc.poll()}):\n{tail}")
+            time.sleep(0.05)
+        yield sock
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(SIDECAR_STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for leftover in glob.glob(f"/dev/shm/tierstore-{proc.pid}-*"):
+            os.unlink(leftover)

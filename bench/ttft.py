@@ -25,15 +25,9 @@ minutes as attention grows with the square of the prompt) to 4 layers, hidden
 from __future__ import annotations
 
 import argparse
-import glob
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))  # the checkout, whatever `pip install -e` points at
 
 import torch  # noqa: E402
-from common import GB, emit, memcpy_gbps, ratio  # noqa: E402
+from common import GB, emit, memcpy_gbps, ratio, sidecar  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tierstore.client import StoreClient  # noqa: E402
@@ -62,42 +56,6 @@ LENGTHS = (2048, 8192, 32768)
 QUICK_LENGTHS = (2048,)
 WARM_REPEATS = 3
 DRAM_BYTES = 512 << 20  # 32k tokens of this model's KV are 128 MiB
-SIDECAR_START_S = 60.0
-SIDECAR_STOP_S = 20.0
-
-
-@contextmanager
-def sidecar(tmp: Path) -> Iterator[Path]:
-    """A sidecar in ``tmp`` for the duration of the block; stopped with
-    SIGTERM (SIGKILL after a timeout) and its arena removed even on error."""
-    sock, log_path = tmp / "s.sock", tmp / "sidecar.log"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "tierstore.cli", "serve", "--socket", str(sock)]
-    cmd += ["--nvme-dir", str(tmp / "nvme"), "--dram-bytes", str(DRAM_BYTES)]
-    cmd += ["--nvme-bytes", "1GiB", "--metrics-port", "0"]
-    for setting in ("dram_segment_bytes=64MiB", "dram_high_watermark=1.0", "log_level=warning"):
-        cmd += ["--set", setting]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + SIDECAR_START_S
-        while not sock.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"the sidecar did not start (exit {proc.poll()}):\n{tail}")
-            time.sleep(0.05)
-        yield sock
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(SIDECAR_STOP_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for leftover in glob.glob(f"/dev/shm/tierstore-{proc.pid}-*"):
-            os.unlink(leftover)
 
 
 def build_model() -> Any:
@@ -155,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     lengths = QUICK_LENGTHS if args.quick else LENGTHS
     started = time.perf_counter()
     model = build_model()
-    with tempfile.TemporaryDirectory() as tmp, sidecar(Path(tmp)) as sock:
+    with tempfile.TemporaryDirectory() as tmp, sidecar(Path(tmp), DRAM_BYTES) as sock:
         with StoreClient(str(sock)) as client:
             adapter = HFStoreAdapter(model, client)
             adapter.resume(torch.arange(64))  # warm up kernels and the first control calls
