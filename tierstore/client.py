@@ -18,6 +18,7 @@ HBM pool's writes are serialised by one lock.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -34,6 +35,7 @@ import torch
 from tierstore import cuda
 from tierstore.config import load_config
 from tierstore.errors import BlockSizeError, LayoutError, TierstoreError
+from tierstore.fastpath import FastLookupClient, fast_socket_path
 from tierstore.hbm import HbmEntry, HbmTier
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.tiers.arena import Arena
@@ -207,6 +209,9 @@ class StoreClient:
         self._hbm_lock = threading.Lock()
         self._layouts: dict[bytes, KVLayout] = {}
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-client")
+        self._fast: FastLookupClient | None = None
+        with contextlib.suppress(OSError):  # an older sidecar has none: gRPC serves lookups
+            self._fast = FastLookupClient(fast_socket_path(self.socket_path), call_timeout_s)
         self.connected = True
         self._watcher = threading.Thread(target=self._watch, name="tierstore-attach", daemon=True)
         self._watcher.start()
@@ -424,12 +429,27 @@ class StoreClient:
             while run_end < len(keys) and not in_hbm[run_end]:
                 run_end += 1
             run = keys[i:run_end][: self.max_batch_keys]
-            reply = self._call(self._stub.Lookup, self._req(layout, run, include_peers), "lookup")
-            tiers.extend(TIER_BY_CODE[c] for c in reply.tiers)
-            i += reply.num_hits
-            if reply.num_hits < len(run):
+            found = self._sidecar_lookup(layout, run, include_peers)
+            tiers.extend(found)
+            i += len(found)
+            if len(found) < len(run):
                 break
         return ClientLookup(len(tiers), tuple(tiers))
+
+    def _sidecar_lookup(
+        self, layout: KVLayout, keys: list[BlockKey], include_peers: bool
+    ) -> tuple[TierName, ...]:
+        """Tiers of the longest prefix the sidecar (and its peers) hold: over
+        the fast path when it can answer, else over gRPC."""
+        fp = self.register(layout)
+        if self._fast is not None and not include_peers:
+            try:
+                return self._fast.lookup(fp, keys)
+            except (OSError, ConnectionError):
+                self._fast.close()  # fall back to gRPC from now on
+                self._fast = None
+        reply = self._call(self._stub.Lookup, self._req(layout, keys, include_peers), "lookup")
+        return tuple(TIER_BY_CODE[c] for c in reply.tiers)
 
     def acquire(
         self,
@@ -519,7 +539,7 @@ class StoreClient:
     ) -> list[TierName]:
         # The local tiers label the blocks; Acquire itself asks the peers
         # (once) for what is missing here, so the lookup does not.
-        lookup = self._call(self._stub.Lookup, self._req(layout, keys), "lookup")
+        local_tiers = self._sidecar_lookup(layout, keys, False)
         with self.acquire(
             layout, keys, include_peers=include_peers, deadline_s=deadline_s
         ) as pinned:
@@ -531,7 +551,7 @@ class StoreClient:
                         if slot is not None:
                             self._copy(slot, view)
             self._sync()  # copies out of the arena end before the pins go
-            tiers = [TIER_BY_CODE[c] for c in lookup.tiers[: len(pinned.keys)]]
+            tiers = list(local_tiers[: len(pinned.keys)])
             beyond = TierName.PEER if include_peers else TierName.DRAM  # raced in meanwhile
             return tiers + [beyond] * (len(pinned.keys) - len(tiers))
 
@@ -612,6 +632,8 @@ class StoreClient:
             return
         self._closed = True
         self._background.shutdown(wait=True)
+        if self._fast is not None:
+            self._fast.close()
         self._attach.cancel()
         self._channel.close()
         self._watcher.join(timeout=5)

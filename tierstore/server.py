@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tierstore import __version__
 from tierstore.config import Config
 from tierstore.errors import TierstoreError
+from tierstore.fastpath import FastLookupServer, fast_socket_path
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout
 from tierstore.metrics import start_metrics_server
 from tierstore.prefetch import BestEffort, Prefetcher, PrefetchPolicy, Timeout, WaitAll
@@ -100,6 +101,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         self.store = store
         self.peer_server = peer_server
         self.peers: PeerTier | None = peer_server.tier if peer_server is not None else None
+        self.fast_lookup: FastLookupServer | None = None  # set by the Sidecar
         self.cfg = config.server
         self.config = config
         self.prefetcher = Prefetcher(store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max)
@@ -382,6 +384,9 @@ def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
     stat = servicer.store.stat()
     counters = dict(stat["store"])
     counters.update(servicer.counters)
+    if servicer.fast_lookup is not None:
+        counters["fast_lookups"] = servicer.fast_lookup.lookups
+        counters["bad_requests"] += servicer.fast_lookup.bad_requests
     if servicer.peer_server is not None:
         counters.update(
             {f"peer_{k}": v for k, v in vars(servicer.peer_server.tier.counters).items()}
@@ -459,6 +464,7 @@ class Sidecar:
             self._lock.close()
             raise
         self.peer_server: PeerServer | None = None
+        self.fast_lookup: FastLookupServer | None = None
         try:
             if config.peer.peer_port:
                 from tierstore.peer.service import PeerServer
@@ -487,6 +493,11 @@ class Sidecar:
             finally:
                 os.umask(old_umask)
             os.chmod(self.socket_path, 0o600)
+            self.fast_lookup = FastLookupServer(
+                fast_socket_path(self.socket_path), self.store, cfg.max_batch_keys,
+                cfg.max_clients,
+            )  # fmt: skip
+            self.servicer.fast_lookup = self.fast_lookup
             if cfg.metrics_port:
                 self.metrics_server = start_metrics_server(self, cfg.metrics_host, cfg.metrics_port)
         except BaseException:
@@ -517,6 +528,8 @@ class Sidecar:
         log.info("tierstore stopped")
 
     def _close_store(self) -> None:
+        if self.fast_lookup is not None:
+            self.fast_lookup.close()
         if self.peer_server is not None:
             self.peer_server.stop(self.config.server.shutdown_grace_s)
         if hasattr(self, "servicer"):

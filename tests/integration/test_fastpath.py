@@ -1,0 +1,141 @@
+"""The lookup fast path: same answers as gRPC, hostile frames refused, fallback."""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from tierstore.client import StoreClient
+from tierstore.errors import LayoutError
+from tierstore.fastpath import (
+    LOOKUP_REP,
+    LOOKUP_REQ,
+    MAGIC_REP,
+    MAGIC_REQ,
+    STATUS_BAD_REQUEST,
+    STATUS_OK,
+    STATUS_UNKNOWN_LAYOUT,
+    FastLookupClient,
+    fast_socket_path,
+)
+from tierstore.keys import chain_keys
+from tierstore.tiers.base import TierName
+
+from ..conftest import SMALL_LAYOUT
+from .sidecar import SidecarProcess
+
+
+@pytest.fixture(scope="module")
+def sidecar(tmp_path_factory: pytest.TempPathFactory):
+    proc = SidecarProcess(tmp_path_factory.mktemp("fast"), "--set", "max_batch_keys=64")
+    yield proc
+    proc.stop()
+
+
+def _raw(sidecar: SidecarProcess) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(fast_socket_path(sidecar.socket)))
+    return s
+
+
+def _reply(s: socket.socket) -> tuple[int, bytes]:
+    head = b""
+    while len(head) < LOOKUP_REP.size:
+        chunk = s.recv(LOOKUP_REP.size - len(head))
+        assert chunk, "connection closed without a reply"
+        head += chunk
+    magic, status, count = LOOKUP_REP.unpack(head)
+    assert magic == MAGIC_REP
+    body = b""
+    while len(body) < count:
+        body += s.recv(count - len(body))
+    return status, body
+
+
+def test_fast_lookup_answers_like_grpc(sidecar: SidecarProcess) -> None:
+    keys = chain_keys(SMALL_LAYOUT, np.arange(8 * 200))  # more than DRAM: some on NVMe
+    with StoreClient(str(sidecar.socket)) as client:
+        for lo in range(0, 200, 50):
+            assert all(
+                client.store(
+                    SMALL_LAYOUT,
+                    keys[lo : lo + 50],
+                    torch.zeros(50, SMALL_LAYOUT.block_bytes, dtype=torch.uint8),
+                )
+            )
+        assert client._fast is not None
+        for lo in (0, 60, 150):
+            run = keys[lo : lo + 64]
+            fast = client._sidecar_lookup(SMALL_LAYOUT, run, include_peers=False)
+            grpc_reply = client._stub.Lookup(client._req(SMALL_LAYOUT, run), timeout=10)
+            assert fast == tuple({2: TierName.DRAM, 3: TierName.NVME}[c] for c in grpc_reply.tiers)
+        assert TierName.NVME in client.lookup(SMALL_LAYOUT, keys[:64]).tiers
+        assert client.stat().counters["fast_lookups"] >= 4
+    assert (fast_socket_path(sidecar.socket).stat().st_mode & 0o777) == 0o600
+
+
+def test_hostile_frames(sidecar: SidecarProcess) -> None:
+    keys = b"".join(chain_keys(SMALL_LAYOUT, np.arange(8 * 4)))
+    with StoreClient(str(sidecar.socket)) as client:
+        client.register(SMALL_LAYOUT)
+    with _raw(sidecar) as s:  # unknown layout: an error reply, the connection stays usable
+        s.sendall(LOOKUP_REQ.pack(MAGIC_REQ, 4, b"\x07" * 32) + keys)
+        status, body = _reply(s)
+        assert status == STATUS_UNKNOWN_LAYOUT and b"unknown layout" in body
+        s.sendall(LOOKUP_REQ.pack(MAGIC_REQ, 4, SMALL_LAYOUT.fingerprint) + keys)
+        assert _reply(s)[0] == STATUS_OK
+    with _raw(sidecar) as s:  # more keys than max_batch_keys: refused, connection closed
+        s.sendall(LOOKUP_REQ.pack(MAGIC_REQ, 10_000_000, SMALL_LAYOUT.fingerprint))
+        status, body = _reply(s)
+        assert status == STATUS_BAD_REQUEST and b"max_batch_keys" in body
+        assert s.recv(1) == b""
+    with _raw(sidecar) as s:  # wrong magic
+        s.sendall(b"HTTP" + b"\0" * (LOOKUP_REQ.size - 4))
+        assert _reply(s)[0] == STATUS_BAD_REQUEST
+    rng = random.Random(5)
+    for _ in range(300):  # garbage and truncated frames never crash the sidecar
+        with _raw(sidecar) as s:
+            s.sendall(rng.randbytes(rng.randrange(1, 200)))
+            s.shutdown(socket.SHUT_WR)
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass  # closed with our garbage unread: fine
+    with StoreClient(str(sidecar.socket)) as client:  # still serving, on both paths
+        never_stored = chain_keys(SMALL_LAYOUT, np.arange(8) + 5_000_000)
+        assert client.lookup(SMALL_LAYOUT, never_stored).num_hits == 0
+        assert client.stat().counters["bad_requests"] >= 3
+
+
+def test_unknown_layout_is_a_layout_error(sidecar: SidecarProcess) -> None:
+    fast = FastLookupClient(fast_socket_path(sidecar.socket), timeout_s=10)
+    try:
+        with pytest.raises(LayoutError, match="unknown layout"):
+            fast.lookup(b"\x09" * 32, [b"\x01" * 32])
+    finally:
+        fast.close()
+
+
+def test_client_falls_back_to_grpc_without_fast_path(sidecar: SidecarProcess) -> None:
+    keys = chain_keys(SMALL_LAYOUT, np.arange(8 * 3) + 99999)
+    with StoreClient(str(sidecar.socket)) as client:
+        client.store(
+            SMALL_LAYOUT, keys, torch.zeros(3, SMALL_LAYOUT.block_bytes, dtype=torch.uint8)
+        )
+        assert client._fast is not None
+        client._fast._sock.close()  # the fast connection breaks
+        assert client.lookup(SMALL_LAYOUT, keys).num_hits == 3  # answered over gRPC
+        assert client._fast is None
+
+
+def test_frame_layout_is_stable() -> None:
+    """The frames are a wire contract between engine and sidecar versions."""
+    assert LOOKUP_REQ.size == 40 and LOOKUP_REP.size == 9
+    assert struct.calcsize("<4sI32s") == LOOKUP_REQ.size
