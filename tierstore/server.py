@@ -173,6 +173,18 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         self.count("leaked_reservations_released", aborted)
         self.count("leaked_pins_released", pins)
 
+    def _release_if_detached(self, owner: int) -> None:
+        """A client that detached while this call ran: free what the call made
+        for it (detach removes the id before it releases, so between that
+        release and this check nothing of the call's is missed)."""
+        with self._lock:
+            if owner in self._clients:
+                return
+        aborted, pins = self.store.release_owner(owner)
+        self.count("leaked_reservations_released", aborted)
+        self.count("leaked_pins_released", pins)
+        raise BadRequest(grpc.StatusCode.FAILED_PRECONDITION, f"client {owner} detached")
+
     def clients(self) -> list[ClientSession]:
         with self._lock:
             return list(self._clients.values())
@@ -237,6 +249,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
     ) -> local_pb2.ReserveReply:
         owner, layout, keys = self._request(request)
         res = self.store.reserve(layout, keys, owner)
+        self._release_if_detached(owner)
         return local_pb2.ReserveReply(
             statuses=bytes(int(r.status) for r in res), offsets=[r.offset for r in res]
         )
@@ -293,6 +306,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             if self.peers.pull(layout, keys[len(entries) :], timeout_s):
                 entries += self.store.acquire(layout, keys[len(entries) :], owner)
         self.store.adopt([e.key for e in entries])
+        self._release_if_detached(owner)
         return local_pb2.AcquireReply(offsets=[e.offset for e in entries])
 
     @_handler

@@ -25,6 +25,7 @@ from tierstore.config import StoreConfig
 from tierstore.errors import BlockSizeError, LayoutError
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.policies import make_admission_policy, make_eviction_policy
+from tierstore.ratelog import RateLimitedLog
 from tierstore.replicas import ReplicaLedger
 from tierstore.tiers.arena import Arena
 from tierstore.tiers.base import TierName, TierStats
@@ -32,6 +33,7 @@ from tierstore.tiers.dram import DramEntry, DramTier, ReserveStatus
 from tierstore.tiers.nvme import NvmeTier, block_digest
 
 log = logging.getLogger(__name__)
+_faults = RateLimitedLog(log)
 
 STORE_OWNER = 0  # owner id of reservations and pins made by the store itself
 
@@ -398,6 +400,14 @@ class TieredStore:
                 written = sum(ok)
                 self.counters.spilled_blocks += written
                 self.counters.spill_failures += len(ok) - written
+                if written < len(ok):
+                    _faults.warning(
+                        "spill",
+                        "spill to NVMe failed for %d of %d blocks (dropped from DRAM: "
+                        "misses later); see the NVMe tier's write failures",
+                        len(ok) - written,
+                        len(ok),
+                    )
         dropped = 0
         for victim in victims:
             dropped += self.dram.drop(victim)

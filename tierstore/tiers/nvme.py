@@ -38,6 +38,7 @@ belong to the process that opened them; a child gets StorageError.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -54,6 +55,7 @@ import lmdb
 from tierstore.errors import BlockSizeError, LayoutError, StorageError
 from tierstore.keys import BlockKey, check_key
 from tierstore.policies import EvictionPolicy, LruPolicy
+from tierstore.ratelog import RateLimitedLog
 from tierstore.tiers.base import TierName, TierStats
 from tierstore.tiers.blockfile import ALIGN_BYTES, IO_ERRNOS, BlockFile
 from tierstore.tiers.nvme_index import NvmeEntry, NvmeIndex, lock_root, prepare_root
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 logger = logging.getLogger(__name__)
+_faults = RateLimitedLog(logger)
 
 DIGEST_BYTES = 32
 FINGERPRINT_BYTES = 32
@@ -128,6 +131,7 @@ class NvmeTier:
         self._write_lock = threading.Lock()  # LMDB writes and data-file writes
         self._entries: dict[BlockKey, NvmeEntry] = {}
         self._pins: dict[int, int] = {}  # slot offset -> readers copying it
+        self._full_at_bytes: int | None = None  # set when the filesystem filled up first
         self._retired: set[int] = set()  # slots dropped while pinned; freed at unpin
         self._dirty: set[BlockKey] = set()  # last access changed since persisted
         self._stats = TierStats()
@@ -279,9 +283,13 @@ class NvmeTier:
 
     def _alloc_evicting(self, nbytes: int, victims: list[NvmeEntry]) -> int | None:
         """A slot for ``nbytes``, evicting unpinned blocks in policy order. Holds _lock."""
-        if self._alloc.slot_bytes(nbytes) > self._alloc.capacity_bytes:
+        slot = self._alloc.slot_bytes(nbytes)
+        if slot > self._alloc.capacity_bytes:
             return None
-        offset = self._alloc.alloc(nbytes)
+        full_at = self._full_at_bytes
+        offset = None
+        if full_at is None or self._alloc.used_bytes + slot <= full_at:
+            offset = self._alloc.alloc(nbytes)
         while offset is None:
             victim = self._policy.evict(self._can_evict)
             if victim is None:
@@ -290,7 +298,8 @@ class NvmeTier:
             self._dirty.discard(victim)
             self._alloc.free(entry.offset)
             victims.append(entry)
-            offset = self._alloc.alloc(nbytes)
+            if full_at is None or self._alloc.used_bytes + slot <= full_at:
+                offset = self._alloc.alloc(nbytes)
         return offset
 
     def _can_evict(self, key: BlockKey) -> bool:
@@ -318,6 +327,22 @@ class NvmeTier:
         """Write, fdatasync, then index; returns the blocks that are now indexed."""
         errors = self._write_and_hash(planned)
         written = [p for p, err in zip(planned, errors, strict=True) if err is None]
+        failed = [err for err in errors if err is not None]
+        if failed:
+            _faults.warning(
+                "write", "NVMe write of %d blocks to %s failed: %s",
+                len(failed), self.root / "blocks.dat", failed[0],
+            )  # fmt: skip
+            if any(err.errno == errno.ENOSPC for err in failed):
+                # The filesystem is full below our budget: cap the tier at what
+                # it holds, so new blocks evict old ones (whose slots are
+                # already on disk) instead of failing from now on.
+                ok = {id(p) for p in written}
+                lost = sum(
+                    self._alloc.slot_bytes(p.data.nbytes) for p in planned if id(p) not in ok
+                )
+                with self._lock:
+                    self._full_at_bytes = self._alloc.used_bytes - lost
         if written and self.sync:
             try:
                 self._file.sync()
@@ -487,6 +512,13 @@ class NvmeTier:
 
     def _drop_failed(self, entry: NvmeEntry, *, verify_failed: bool) -> None:
         """Unindex a block whose bytes failed; its slot is freed at the last unpin."""
+        _faults.warning(
+            "verify" if verify_failed else "read",
+            "NVMe block at offset %d of %s %s; dropped (a miss, never served)",
+            entry.offset,
+            self.root / "blocks.dat",
+            "failed blake3 verification" if verify_failed else "could not be read in full",
+        )
         with self._write_lock:
             with self._lock:
                 if verify_failed:
