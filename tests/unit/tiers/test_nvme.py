@@ -476,20 +476,27 @@ def test_io_errors_are_counted_not_raised(open_tier, monkeypatch) -> None:
     def eio(*args: object) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
+    # The filesystem filled before the budget: the tier caps itself at what it
+    # holds (12 KiB), so a new block evicts the oldest instead of failing.
+    assert tier.write_many([(key_of(5), FP, block_of(5, 9000))]) == [True]
+    assert tier.contains([key_of(1), key_of(5)]) == [False, True]
+    assert tier.stats().used_bytes == 12 << 10
+
     with monkeypatch.context() as m:
         m.setattr(blockfile.os, "fdatasync", eio)
         assert tier.write_many([(key_of(4), FP, b"y" * 5000)]) == [False]
     assert tier.stats().write_failures == 3
-    assert tier.contains([key_of(i) for i in range(1, 5)]) == [True, False, False, False]
-    assert tier.stats().used_bytes == 12 << 10  # failed slots were given back
+    assert tier.contains([key_of(i) for i in range(1, 6)]) == [False, False, False, False, False]
+    assert tier.stats().used_bytes == 0  # failed slots were given back
 
+    assert tier.write_many([(key_of(6), FP, keep)]) == [True]
     with monkeypatch.context() as m:
         m.setattr(blockfile.os, "preadv", eio)
         out = Aligned(9000)
-        assert tier.read_into(key_of(1), out.view) is None
+        assert tier.read_into(key_of(6), out.view) is None
         out.close()  # nothing holds on to the caller's buffer after an error
     assert tier.stats().read_failures == 1
-    assert tier.contains([key_of(1)]) == [False]
+    assert tier.contains([key_of(6)]) == [False]
 
 
 def test_o_direct_refused_later_falls_back_to_buffered(tmp_path, monkeypatch) -> None:
