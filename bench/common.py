@@ -118,6 +118,19 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def wait_for_socket(
+    proc: subprocess.Popen[bytes], sock: Path, log_path: Path, timeout_s: float = SIDECAR_START_S
+) -> None:
+    """Return once a starting sidecar's socket exists; raise with the tail of
+    its log if it exits or takes longer than ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not sock.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"a sidecar did not start (exit {proc.poll()}):\n{tail}")
+        time.sleep(0.05)
+
+
 @contextmanager
 def sidecar(tmp: Path, dram_bytes: int, *settings: str) -> Iterator[Path]:
     """A `tierstore serve` in ``tmp`` (1 GiB of NVMe, no metrics, DRAM never
@@ -140,12 +153,7 @@ def sidecar(tmp: Path, dram_bytes: int, *settings: str) -> Iterator[Path]:
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + SIDECAR_START_S
-        while not sock.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"the sidecar did not start (exit {proc.poll()}):\n{tail}")
-            time.sleep(0.05)
+        wait_for_socket(proc, sock, log_path)
         yield sock
     finally:
         if proc.poll() is None:

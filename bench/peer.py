@@ -70,7 +70,15 @@ sys.path.insert(0, str(ROOT))  # the checkout, whatever `pip install -e` points 
 
 import blake3  # noqa: E402
 import torch  # noqa: E402
-from common import GB, aligned_buffer, best_of, emit, memcpy_gbps, ratio  # noqa: E402
+from common import (  # noqa: E402
+    GB,
+    aligned_buffer,
+    best_of,
+    emit,
+    memcpy_gbps,
+    ratio,
+    wait_for_socket,
+)
 
 from tierstore.client import StoreClient  # noqa: E402
 from tierstore.keys import BlockKey, KVLayout, chain_keys  # noqa: E402
@@ -82,7 +90,6 @@ DELTA_MIB, QUICK_DELTA_MIB = 247, 32
 PIECE_BYTES = 2 << 20  # raw TCP: sendall / recv_into pieces
 RAW_ROUNDS = 3
 TOKEN = "bench-peer-token"
-SIDECAR_START_S = 60.0
 SIDECAR_STOP_S = 20.0
 DEADLINE_S = 60.0
 TARGETS = {"peer_fetch_vs_raw_tcp": 0.8, "import_s": 0.3}
@@ -191,12 +198,7 @@ class Sidecar:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + SIDECAR_START_S
-        while not self.socket.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = (self.root / "sidecar.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"a sidecar did not start (exit {self.proc.poll()}):\n{tail}")
-            time.sleep(0.05)
+        wait_for_socket(self.proc, self.socket, self.root / "sidecar.log")
 
     def terminate(self) -> None:
         if self.proc.poll() is None:

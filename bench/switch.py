@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from common import wait_for_socket  # noqa: E402
 from switchsim import (  # noqa: E402
     PUBLIC_DELTA_BYTES,
     SimConfig,
@@ -78,7 +79,6 @@ TOKEN = "bench-switch-token"
 SLOTS_PER_HOST = 4
 MIN_TOKENS = 8192
 DRAM_BYTES = 2 << 30  # per sidecar: every live conversation and its replica fit
-SIDECAR_START_S = 60.0
 LINKS = {"1gbit": ("1gbit", "256kb"), "10gbit": ("10gbit", "2mb"), "unshaped": None}
 LINK_BPS = {"1gbit": 1e9, "10gbit": 1e10, "unshaped": None}
 PUBLIC = {  # the write-up's 16-session runs
@@ -158,12 +158,7 @@ class Sidecar:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + SIDECAR_START_S
-        while not self.socket.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = (self.root / "sidecar.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"a sidecar did not start (exit {self.proc.poll()}):\n{tail}")
-            time.sleep(0.05)
+        wait_for_socket(self.proc, self.socket, self.root / "sidecar.log")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
