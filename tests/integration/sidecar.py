@@ -12,6 +12,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def serve_args(socket: Path, nvme_dir: Path, dram: str, nvme: str, *extra: str) -> list[str]:
+    """The command line of a small test sidecar: tiny tiers, 64 KiB segments,
+    no metrics port; ``extra`` flags go last (later flags win)."""
+    return [
+        sys.executable, "-m", "tierstore.cli", "serve",
+        "--socket", str(socket), "--nvme-dir", str(nvme_dir),
+        "--dram-bytes", dram, "--nvme-bytes", nvme, "--metrics-port", "0",
+        "--set", "dram_segment_bytes=64KiB", "--set", "nvme_segment_bytes=64KiB",
+        *extra,
+    ]  # fmt: skip
+
+
 class SidecarProcess:
     """A `tierstore serve` child with small tiers in ``root``."""
 
@@ -19,27 +31,7 @@ class SidecarProcess:
         self.root = root
         self.socket = root / "s.sock"
         self.nvme_dir = root / "nvme"
-        self.args = [
-            sys.executable,
-            "-m",
-            "tierstore.cli",
-            "serve",
-            "--socket",
-            str(self.socket),
-            "--nvme-dir",
-            str(self.nvme_dir),
-            "--dram-bytes",
-            dram,
-            "--nvme-bytes",
-            nvme,
-            "--metrics-port",
-            "0",
-            "--set",
-            "dram_segment_bytes=64KiB",
-            "--set",
-            "nvme_segment_bytes=64KiB",
-            *extra,
-        ]
+        self.args = serve_args(self.socket, self.nvme_dir, dram, nvme, *extra)
         self.log = open(root / "sidecar.log", "ab")
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env)

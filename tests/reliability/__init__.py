@@ -28,7 +28,6 @@ import random
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -43,6 +42,8 @@ import numpy as np
 
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.v1 import local_pb2, local_pb2_grpc
+
+from ..integration.sidecar import serve_args
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout("reliability", 2, 2, 64, "float16", 8)  # 8 KiB blocks of 8 tokens
@@ -120,29 +121,9 @@ class Sidecar:
         self.nvme_dir = nvme_dir or root / f"{name}-nvme"
         self.log_path = root / f"{name}.log"
         self.netns = netns
-        self.args = [
-            sys.executable,
-            "-m",
-            "tierstore.cli",
-            "serve",
-            "--socket",
-            str(self.socket),
-            "--nvme-dir",
-            str(self.nvme_dir),
-            "--dram-bytes",
-            dram,
-            "--nvme-bytes",
-            nvme,
-            "--metrics-port",
-            "0",
-            "--set",
-            "dram_segment_bytes=64KiB",
-            "--set",
-            "nvme_segment_bytes=64KiB",
-            "--set",
-            "shutdown_grace_s=1",
-            *extra,
-        ]
+        self.args = serve_args(
+            self.socket, self.nvme_dir, dram, nvme, "--set", "shutdown_grace_s=1", *extra
+        )
         self.proc: subprocess.Popen[bytes] | None = None
         self.pids: list[int] = []  # every pid this object started
         self.started_at = 0.0
