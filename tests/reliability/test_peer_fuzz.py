@@ -5,6 +5,7 @@ every block stored before the fuzzing is still there, byte-exact."""
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 import time
@@ -112,12 +113,17 @@ def test_peer_service_and_data_channel_survive_fuzzing(tmp_path: Path) -> None:
         for data_port in sorted(data_ports)[:1]:
             for _ in range(200):
                 with socket.create_connection(("127.0.0.1", data_port), timeout=5) as s:
-                    s.sendall(rng.randbytes(rng.randrange(0, 64)))
-                    s.shutdown(socket.SHUT_WR)
+                    # The sidecar may drop the connection at any step (reset, closed before
+                    # our shutdown); a timeout is not among these and fails the test.
                     try:
+                        s.sendall(rng.randbytes(rng.randrange(0, 64)))
+                        s.shutdown(socket.SHUT_WR)
                         assert s.recv(1 << 16) == b""  # no block goes out without a ticket
-                    except ConnectionResetError:
+                    except (ConnectionResetError, BrokenPipeError):
                         pass
+                    except OSError as e:
+                        if e.errno != errno.ENOTCONN:
+                            raise
         with StoreClient(str(proc.socket)) as client:
             res = client.load(LAYOUT, keys)
             assert res.num_blocks == 16 and torch.equal(res.blocks, data)
