@@ -1,4 +1,4 @@
-"""The ``tierstore`` command: ``serve``, ``stat``, ``config``.
+"""The ``tierstore`` command: ``serve``, ``stat``, ``demo``, ``config``, ``route``, ``router``.
 
 Runs in the foreground of the shell that calls it.
 """
@@ -257,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the effective configuration")
     _add_config_flags(p)
     p.set_defaults(func=cmd_config)
+
+    from tierstore.router.cli import add_parsers as add_router_parsers
+
+    add_router_parsers(sub, _add_config_flags)
     return parser
 
 

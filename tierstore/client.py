@@ -604,11 +604,14 @@ class StoreClient:
         num_tokens: int,
         *,
         wait: bool = False,
+        replica_target: str = "",
     ) -> local_pb2.EndTurnReply:
         """Tell the sidecar a turn of ``session`` ended with these full blocks
         (stored first: HBM-only blocks are written down). For a turn of at
         least min_tokens the sidecar pushes the blocks the session's spill
-        host lacks (kv_share); ``wait`` returns after that push."""
+        host lacks (kv_share): ``replica_target`` (a peer's host:port, e.g.
+        a router's ``spill_host``) or else the session's rendezvous spill
+        host; ``wait`` returns after that push."""
         keys = check_keys(keys)
         self.flush()
         req = local_pb2.EndTurnRequest(
@@ -618,8 +621,34 @@ class StoreClient:
             keys=b"".join(keys),
             num_tokens=num_tokens,
             wait=wait,
+            replica_target=replica_target,
         )
         return self._call(self._stub.EndTurn, req, "end turn")
+
+    def report_load(
+        self,
+        busy_slots: int,
+        slots: int,
+        queue_len: int = 0,
+        *,
+        wait_s: float = 0.0,
+        prefill_tokens_per_s: float = 0.0,
+    ) -> common_pb2.HostLoad:
+        """Report this engine's load (requests served now, how many it can
+        serve at once, requests waiting; optionally its own estimate of the
+        wait for a slot and its measured prefill speed). Routers read the
+        host's sum with its lookups; a report counts for load_ttl_s, so an
+        engine reports on every change and at least that often. Returns the
+        host's load after this report."""
+        req = local_pb2.ReportLoadRequest(
+            client_id=self.client_id,
+            busy_slots=busy_slots,
+            slots=slots,
+            queue_len=queue_len,
+            wait_s=wait_s,
+            prefill_tokens_per_s=prefill_tokens_per_s,
+        )
+        return self._call(self._stub.ReportLoad, req, "report load").host
 
     # -- inspection and shutdown ---------------------------------------------------------
 

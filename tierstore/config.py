@@ -57,6 +57,7 @@ class StoreConfig:
     nvme_admission: str = "always"  # always | seen_twice: which evicted blocks are spilled
     demote_batch_blocks: int = 32  # blocks spilled per NVMe write batch (one fsync)
     promote_wait_s: float = 10.0  # longest wait for another thread's promotion of a block
+    event_log_keys: int = 1 << 18  # tier changes kept for routers' WatchBlocks streams (keys)
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
@@ -72,6 +73,8 @@ class StoreConfig:
             raise ConfigError(f"demote_batch_blocks must be >= 1, got {self.demote_batch_blocks}")
         if self.promote_wait_s <= 0:
             raise ConfigError(f"promote_wait_s must be > 0, got {self.promote_wait_s}")
+        if self.event_log_keys < 1:
+            raise ConfigError(f"event_log_keys must be >= 1, got {self.event_log_keys}")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,7 @@ class ServerConfig:
     prefetch_timeout_per_1k_tokens_s: float = 0.02  # ... plus this per 1000 tokens
     prefetch_max_wait_s: float = 30.0  # longest a PREFETCH_WAIT call blocks
     shutdown_grace_s: float = 5.0  # in-flight calls get this long to finish on SIGTERM
+    load_ttl_s: float = 10.0  # an engine's load report (ReportLoad) counts this long
     log_level: str = "info"  # debug | info | warning | error
 
     def __post_init__(self) -> None:
@@ -109,7 +113,7 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("keepalive_s", "prefetch_max_wait_s", "shutdown_grace_s"):
+        for name in ("keepalive_s", "prefetch_max_wait_s", "shutdown_grace_s", "load_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if len(self.socket_path.encode()) > 100:
@@ -141,6 +145,8 @@ class PeerConfig:
     compression: str = "auto"  # auto | none | zstd: transfers over byte-split zstd
     max_transfers: int = 8  # concurrent outgoing transfers served
     replicate_queue_max: int = 64  # replica pushes waiting; more are dropped and counted
+    max_watchers: int = 4  # routers' WatchBlocks streams at once (one server thread each)
+    watch_heartbeat_s: float = 2.0  # a WatchBlocks stream sends the load at least this often
 
     def __post_init__(self) -> None:
         if not 0 <= self.peer_port < 65536:
@@ -149,10 +155,15 @@ class PeerConfig:
             raise ConfigError(f"compression must be auto, none or zstd, got {self.compression!r}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("tls_cert_file and tls_key_file must be set together")
-        for name in ("min_tokens", "max_transfers", "replicate_queue_max"):
+        for name in ("min_tokens", "max_transfers", "replicate_queue_max", "max_watchers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("peer_lookup_timeout_s", "fetch_timeout_s", "replicate_timeout_s"):
+        for name in (
+            "peer_lookup_timeout_s",
+            "fetch_timeout_s",
+            "replicate_timeout_s",
+            "watch_heartbeat_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for addr in self.peers:
@@ -181,7 +192,49 @@ def _check_address(addr: str, name: str) -> None:
         raise ConfigError(f"{name}: {addr!r} is not host:port")
 
 
-SECTIONS: dict[str, type] = {"store": StoreConfig, "server": ServerConfig, "peer": PeerConfig}
+@dataclass(frozen=True)
+class RouterConfig:
+    """The KV-aware router (``tierstore router`` / ``tierstore route``) and its cost model."""
+
+    router_hosts: tuple[str, ...] = ()  # peer host:port of every candidate host
+    router_host: str = "127.0.0.1"  # address the router service listens on
+    router_port: int = 7800  # TCP port of the router service
+    router_lookup_timeout_s: float = 0.2  # deadline of the lookups of one request
+    router_watch: bool = False  # keep an index from the hosts' event streams
+    router_stale_s: float = 6.0  # a host's stream silent this long: ask the host directly
+    prefill_tokens_per_s: float = 8000.0  # engine prefill speed, unless a host reports one
+    dram_load_bytes_per_s: float = 10e9  # host memory -> device
+    nvme_load_bytes_per_s: float = 2e9  # NVMe read + verify, unless a host measured it
+    peer_load_bytes_per_s: float = 1.25e9  # fetch from another host, unless measured
+    turn_s: float = 10.0  # mean time a request holds a slot (queue wait estimate)
+    spill_tie_s: float = 0.5  # queue waits this close count as equal for the spill host
+
+    def __post_init__(self) -> None:
+        if not 0 < self.router_port < 65536:
+            raise ConfigError(f"router_port must be in [1, 65535], got {self.router_port}")
+        for name in (
+            "router_lookup_timeout_s",
+            "router_stale_s",
+            "prefill_tokens_per_s",
+            "dram_load_bytes_per_s",
+            "nvme_load_bytes_per_s",
+            "peer_load_bytes_per_s",
+            "turn_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.spill_tie_s < 0:
+            raise ConfigError(f"spill_tie_s must be >= 0, got {self.spill_tie_s}")
+        for addr in self.router_hosts:
+            _check_address(addr, "router_hosts")
+
+
+SECTIONS: dict[str, type] = {
+    "store": StoreConfig,
+    "server": ServerConfig,
+    "peer": PeerConfig,
+    "router": RouterConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -189,6 +242,7 @@ class Config:
     store: StoreConfig = field(default_factory=StoreConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     peer: PeerConfig = field(default_factory=PeerConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
 
 _SIZE_UNITS = {

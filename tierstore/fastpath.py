@@ -32,7 +32,7 @@ from pathlib import Path
 from tierstore.errors import LayoutError, TierstoreError
 from tierstore.keys import KEY_BYTES, BlockKey
 from tierstore.store import TieredStore
-from tierstore.tiers.base import TierName
+from tierstore.tiers.base import TIER_BY_CODE, TIER_CODES, TierName
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,6 @@ MAGIC_REP = b"TSR1"
 LOOKUP_REQ = struct.Struct("<4sI32s")
 LOOKUP_REP = struct.Struct("<4sBI")
 STATUS_OK, STATUS_BAD_REQUEST, STATUS_UNKNOWN_LAYOUT = 0, 1, 2
-TIER_CODES = {TierName.HBM: 1, TierName.DRAM: 2, TierName.NVME: 3, TierName.PEER: 4}
-TIER_BY_CODE = {v: k for k, v in TIER_CODES.items()}
 
 
 def fast_socket_path(socket_path: str | Path) -> Path:

@@ -230,16 +230,16 @@ def make_admission_policy(name: str) -> AdmissionPolicy:
         ) from None
 
 
+def rendezvous_weight(session: str, member: str) -> bytes:
+    """The session's (highest-random-weight) rendezvous weight of a member:
+    blake3 of the two names, compared as bytes; the same on every host."""
+    return blake3.blake3(session.encode() + b"\0" + member.encode()).digest()
+
+
 def rendezvous_target(session: str, members: Sequence[str], exclude: str) -> str | None:
     """The group member a session spills to next: highest-random-weight
     (rendezvous) hashing of the session id over the members, minus ``exclude``
     (this host). Deterministic on every host; adding or removing a member
     moves only the sessions that hashed to it."""
-    best: tuple[bytes, str] | None = None
-    for member in members:
-        if member == exclude:
-            continue
-        score = blake3.blake3(session.encode() + b"\0" + member.encode()).digest()
-        if best is None or score > best[0]:
-            best = (score, member)
-    return best[1] if best is not None else None
+    candidates = [m for m in members if m != exclude]
+    return max(candidates, key=lambda m: rendezvous_weight(session, m)) if candidates else None

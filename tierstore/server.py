@@ -37,10 +37,11 @@ from tierstore.config import Config
 from tierstore.errors import TierstoreError
 from tierstore.fastpath import FastLookupServer, fast_socket_path
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout
+from tierstore.loadboard import EngineLoad, HostLoadView, LoadBoard
 from tierstore.metrics import start_metrics_server
 from tierstore.prefetch import BestEffort, Prefetcher, PrefetchPolicy, Timeout, WaitAll
 from tierstore.store import STORE_OWNER, TieredStore
-from tierstore.tiers.base import TierName
+from tierstore.tiers.base import TIER_CODES, TierName
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
 
 if TYPE_CHECKING:
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tierstore.v1.LocalService"
 MAX_MESSAGE_BYTES = 4 << 20
-TIER_CODES = {TierName.HBM: 1, TierName.DRAM: 2, TierName.NVME: 3, TierName.PEER: 4}
 
 
 class BadRequest(Exception):
@@ -97,8 +97,10 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         config: Config,
         stopping: threading.Event,
         peer_server: PeerServer | None = None,
+        loads: LoadBoard | None = None,
     ) -> None:
         self.store = store
+        self.loads = loads if loads is not None else LoadBoard(config.server.load_ttl_s)
         self.peer_server = peer_server
         self.peers: PeerTier | None = peer_server.tier if peer_server is not None else None
         self.fast_lookup: FastLookupServer | None = None  # set by the Sidecar
@@ -169,6 +171,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             if self._clients.pop(client_id, None) is None:
                 return
             self.counters["clients_detached"] += 1
+        self.loads.forget(client_id)
         aborted, pins = self.store.release_owner(client_id)
         self.count("leaked_reservations_released", aborted)
         self.count("leaked_pins_released", pins)
@@ -319,16 +322,42 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "session must be 1-256 characters")
         self.store.adopt(keys)
         if self.peers is None:
+            if request.replica_target:
+                raise BadRequest(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "replica_target is set but this sidecar has no peers (peer_port is 0)",
+                )
             return local_pb2.EndTurnReply()
-        push = self.peers.end_turn(request.session, layout, keys, request.num_tokens, request.wait)
-        reply = local_pb2.EndTurnReply(
-            replica_target=self.peers.spill_target(request.session) or "",
-            replicating=push is not None,
+        target = request.replica_target or self.peers.spill_target(request.session)
+        if request.replica_target and request.replica_target not in self.peers.clients:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replica_target {request.replica_target!r} is not a peer of this sidecar "
+                f"(peers: {', '.join(sorted(self.peers.clients)) or 'none'})",
+            )
+        push = self.peers.end_turn(
+            request.session, layout, keys, request.num_tokens, request.wait, target
         )
+        reply = local_pb2.EndTurnReply(replica_target=target or "", replicating=push is not None)
         if push is not None and push.reply is not None:
             reply.pushed = push.reply.imported
             reply.push_s = push.reply.import_s
         return reply
+
+    @_handler
+    def ReportLoad(
+        self, request: local_pb2.ReportLoadRequest, context: grpc.ServicerContext
+    ) -> local_pb2.ReportLoadReply:
+        owner = self._owner(request.client_id)
+        load = EngineLoad(
+            request.busy_slots, request.slots, request.queue_len, request.wait_s,
+            request.prefill_tokens_per_s,
+        )  # fmt: skip
+        try:
+            self.loads.report(owner, load)
+        except ValueError as e:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return local_pb2.ReportLoadReply(host=host_load_proto(self.loads.host()))
 
     @_handler
     def Release(
@@ -388,6 +417,14 @@ def layout_from_proto(msg: common_pb2.Layout) -> KVLayout:
         tp_size=msg.tp_size or 1,
         tenant_salt=msg.tenant_salt,
     )
+
+
+def host_load_proto(view: HostLoadView) -> common_pb2.HostLoad:
+    return common_pb2.HostLoad(
+        reported=view.reported, busy_slots=view.busy_slots, slots=view.slots,
+        queue_len=view.queue_len, wait_s=view.wait_s,
+        prefill_tokens_per_s=view.prefill_tokens_per_s, age_s=view.age_s,
+    )  # fmt: skip
 
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.Layout:
@@ -479,12 +516,15 @@ class Sidecar:
             raise
         self.peer_server: PeerServer | None = None
         self.fast_lookup: FastLookupServer | None = None
+        self.loads = LoadBoard(cfg.load_ttl_s)
         try:
             if config.peer.peer_port:
                 from tierstore.peer.service import PeerServer
 
-                self.peer_server = PeerServer(self.store, config.peer)
-            self.servicer = LocalServicer(self.store, config, self.stopping, self.peer_server)
+                self.peer_server = PeerServer(self.store, config.peer, self.loads)
+            self.servicer = LocalServicer(
+                self.store, config, self.stopping, self.peer_server, self.loads
+            )
             self.health = health.HealthServicer()
             self.grpc_server = grpc.server(
                 futures.ThreadPoolExecutor(

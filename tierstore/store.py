@@ -23,6 +23,7 @@ from typing import Any
 
 from tierstore.config import StoreConfig
 from tierstore.errors import BlockSizeError, LayoutError
+from tierstore.events import BlockEventLog
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.policies import make_admission_policy, make_eviction_policy
 from tierstore.ratelog import RateLimitedLog
@@ -101,6 +102,11 @@ class TieredStore:
             if arena is None:
                 self.arena.close()
             raise
+        # Tier changes in order, for routers (PeerService.WatchBlocks).
+        self.events = BlockEventLog(config.event_log_keys)
+        self.dram.events = self.events
+        if self.nvme is not None:
+            self.nvme.events = self.events
         self._admission = make_admission_policy(config.nvme_admission)
         self._admission_lock = threading.Lock()
         self._layouts: dict[bytes, KVLayout] = {}
@@ -500,6 +506,16 @@ class TieredStore:
         return entry
 
     # -- inspection -------------------------------------------------------------------
+
+    def snapshot(self) -> tuple[int, dict[TierName, list[BlockKey]]]:
+        """What each tier holds, and the event batch number it is current to
+        at least: replaying the batches after that number on top is exact
+        (see ``tierstore.events``)."""
+        seq = self.events.seq  # read first: later changes are replayed, never lost
+        held = {TierName.DRAM: self.dram.held_keys()}
+        if self.nvme is not None:
+            held[TierName.NVME] = self.nvme.held_keys()
+        return seq, held
 
     def stat(self) -> dict[str, Any]:
         tiers: dict[str, TierStats] = {str(TierName.DRAM): self.dram.stats()}

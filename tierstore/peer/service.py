@@ -1,5 +1,6 @@
 """The peer service (sidecar <-> sidecar, TCP): lookup, open a transfer,
-replicate, stat; with token authentication and optional TLS/mTLS.
+replicate, stat, and the stream of tier changes for routers (WatchBlocks);
+with token authentication and optional TLS/mTLS.
 
 Runs in the sidecar on its own gRPC server (so the engine's Unix socket
 never shares a port with the network). Every call must carry the group token
@@ -12,7 +13,8 @@ from __future__ import annotations
 import hmac
 import logging
 import ssl
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -22,16 +24,20 @@ import grpc
 from tierstore.config import PeerConfig
 from tierstore.errors import TierstoreError
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout
+from tierstore.loadboard import LoadBoard
 from tierstore.peer.data import DataServer
 from tierstore.peer.tier import PeerTier
-from tierstore.server import TIER_CODES, layout_from_proto
+from tierstore.server import host_load_proto, layout_from_proto
 from tierstore.store import TieredStore
+from tierstore.tiers.base import TIER_CODES
 from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 MAX_PEER_KEYS = 65536  # keys in one peer call (2 MiB of keys)
 MAX_MESSAGE_BYTES = 4 << 20
+WATCH_CHUNK_KEYS = 32768  # keys per snapshot message (1 MiB)
+WIRE_TIERS = {tier: common_pb2.Tier.Name(code) for tier, code in TIER_CODES.items()}
 
 
 class TokenAuth(grpc.ServerInterceptor):
@@ -58,13 +64,21 @@ class TokenAuth(grpc.ServerInterceptor):
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def __init__(
-        self, store: TieredStore, tier: PeerTier, data: DataServer, cfg: PeerConfig
+        self,
+        store: TieredStore,
+        tier: PeerTier,
+        data: DataServer,
+        cfg: PeerConfig,
+        loads: LoadBoard | None = None,
     ) -> None:
         self.store = store
         self.tier = tier
         self.data = data
         self.cfg = cfg
+        self.loads = loads if loads is not None else LoadBoard(10.0)
         self.bad_requests = 0
+        self.stopping = threading.Event()
+        self._watch_lock = threading.Lock()
 
     def _parse(
         self, layout_msg: common_pb2.Layout, raw: bytes, context: Any
@@ -86,8 +100,13 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def Lookup(self, request: peer_pb2.PeerKeysRequest, context: Any) -> peer_pb2.PeerLookupReply:
         layout, keys = self._parse(request.layout, request.keys, context)
         res = self.store.lookup(layout, keys)
+        nvme = self.store.nvme
         return peer_pb2.PeerLookupReply(
-            num_hits=res.num_hits, tiers=bytes(TIER_CODES[t] for t in res.tiers)
+            num_hits=res.num_hits,
+            tiers=bytes(TIER_CODES[t] for t in res.tiers),
+            load=host_load_proto(self.loads.host()),
+            nvme_read_bytes_per_s=nvme.read_rate.bytes_per_s if nvme is not None else 0.0,
+            peer_fetch_bytes_per_s=self.tier.fetch_bytes_per_s(),
         )
 
     def OpenFetch(
@@ -129,6 +148,64 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             replica_budget_bytes=self.cfg.replica_bytes,
         )
 
+    def WatchBlocks(
+        self, request: peer_pb2.WatchBlocksRequest, context: Any
+    ) -> Iterator[peer_pb2.BlockEvents]:
+        with self._watch_lock:
+            if self.tier.counters.watchers >= self.cfg.max_watchers:
+                self.tier.count("watch_refused")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.tier.counters.watchers} WatchBlocks streams open; "
+                    f"max_watchers is {self.cfg.max_watchers}",
+                )
+            self.tier.count("watchers")
+        try:
+            yield from self._watch(request.epoch, request.from_seq, context)
+        finally:
+            self.tier.count("watchers", -1)
+
+    def _watch(self, epoch: int, seq: int, context: Any) -> Iterator[peer_pb2.BlockEvents]:
+        log_ = self.store.events
+        synced = epoch == log_.epoch and seq <= log_.seq
+        while context.is_active() and not self.stopping.is_set():
+            if not synced:
+                self.tier.count("watch_snapshots")
+                yield peer_pb2.BlockEvents(epoch=log_.epoch, op=peer_pb2.BLOCK_OP_RESET)
+                seq, held = self.store.snapshot()
+                for tier, keys in held.items():
+                    for i in range(0, len(keys), WATCH_CHUNK_KEYS):
+                        yield peer_pb2.BlockEvents(
+                            epoch=log_.epoch,
+                            op=peer_pb2.BLOCK_OP_SNAPSHOT,
+                            tier=WIRE_TIERS[tier],
+                            keys=b"".join(keys[i : i + WATCH_CHUNK_KEYS]),
+                        )
+                yield self._marker(peer_pb2.BLOCK_OP_SYNCED, seq)
+                synced = True
+                continue
+            batches = log_.after(seq, self.cfg.watch_heartbeat_s)
+            if batches is None:  # this watcher fell behind the retained log
+                synced = False
+                continue
+            if not batches:
+                yield self._marker(peer_pb2.BLOCK_OP_HEARTBEAT, seq)
+                continue
+            for b in batches:
+                yield peer_pb2.BlockEvents(
+                    epoch=log_.epoch,
+                    seq=b.seq,
+                    op=peer_pb2.BLOCK_OP_ADD if b.added else peer_pb2.BLOCK_OP_REMOVE,
+                    tier=WIRE_TIERS[b.tier],
+                    keys=b.keys,
+                )
+            seq = batches[-1].seq
+
+    def _marker(self, op: Any, seq: int) -> peer_pb2.BlockEvents:
+        return peer_pb2.BlockEvents(
+            epoch=self.store.events.epoch, seq=seq, op=op, load=host_load_proto(self.loads.host())
+        )
+
 
 def server_ssl_context(cfg: PeerConfig) -> ssl.SSLContext | None:
     if not cfg.tls_cert_file:
@@ -144,7 +221,7 @@ def server_ssl_context(cfg: PeerConfig) -> ssl.SSLContext | None:
 class PeerServer:
     """The peer gRPC server, its data channel and the peer tier."""
 
-    def __init__(self, store: TieredStore, cfg: PeerConfig) -> None:
+    def __init__(self, store: TieredStore, cfg: PeerConfig, loads: LoadBoard | None = None) -> None:
         token = cfg.token()
         if not token:
             raise TierstoreError(
@@ -155,7 +232,7 @@ class PeerServer:
             store, cfg.peer_host, cfg.max_transfers, cfg.fetch_timeout_s, server_ssl_context(cfg)
         )
         self.tier = PeerTier(store, cfg, cfg.address())
-        self.servicer = PeerServicer(store, self.tier, self.data, cfg)
+        self.servicer = PeerServicer(store, self.tier, self.data, cfg, loads)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tierstore-peer"),
             interceptors=[TokenAuth(token)],
@@ -184,6 +261,7 @@ class PeerServer:
         log.info("peer service on %s (group %s, %d peers)", bind, cfg.group, len(self.tier.clients))
 
     def stop(self, grace_s: float) -> None:
+        self.servicer.stopping.set()  # watch streams end at their next heartbeat
         self.server.stop(grace_s).wait()
         self.tier.close()
         self.data.close()

@@ -99,6 +99,11 @@ class PeerClient:
         req = peer_pb2.PeerKeysRequest(layout=layout_proto(layout), keys=b"".join(keys))
         return self._stub.Lookup.future(req, timeout=timeout_s, metadata=self._metadata)
 
+    def watch_blocks(self, epoch: int, from_seq: int) -> Any:
+        """The sidecar's stream of tier changes (a grpc call: iterate, ``cancel``)."""
+        req = peer_pb2.WatchBlocksRequest(epoch=epoch, from_seq=from_seq)
+        return self._stub.WatchBlocks(req, metadata=self._metadata)
+
     def fetch_into(
         self,
         store: TieredStore,
@@ -180,6 +185,9 @@ class PeerCounters:
     pushes_dropped: int = 0
     replicas_imported: int = 0
     replicas_rejected: int = 0
+    watchers: int = 0  # routers' WatchBlocks streams open now
+    watch_snapshots: int = 0  # snapshots sent (new watchers, and resyncs after a gap)
+    watch_refused: int = 0  # streams refused: max_watchers reached
 
 
 @dataclass
@@ -295,14 +303,23 @@ class PeerTier:
     # -- kv_share: the sending side ---------------------------------------------------
 
     def end_turn(
-        self, session: str, layout: KVLayout, keys: list[BlockKey], num_tokens: int, wait: bool
+        self,
+        session: str,
+        layout: KVLayout,
+        keys: list[BlockKey],
+        num_tokens: int,
+        wait: bool,
+        target: str | None = None,
     ) -> _Push | None:
+        """Remember the session's keys and queue its replica push to ``target``
+        (a peer a router chose) or, if None, to its rendezvous spill host."""
         with self._lock:
             self._sessions[session] = (layout, keys)
             self._sessions.move_to_end(session)
             while len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
-        target = rendezvous_target(session, self.members(), exclude=self.address)
+        if target is None:
+            target = self.spill_target(session)
         if target is None or num_tokens < self.cfg.min_tokens or not keys:
             return None
         push = _Push(session, layout, keys, target)
@@ -314,6 +331,11 @@ class PeerTier:
         if wait:
             push.done.wait(self.cfg.replicate_timeout_s + 5)
         return push
+
+    def fetch_bytes_per_s(self) -> float:
+        """Mean link speed measured to the peers (0: none measured yet)."""
+        rates = [c.link_bytes_per_s for c in self.clients.values() if c.link_bytes_per_s > 0]
+        return sum(rates) / len(rates) if rates else 0.0
 
     def spill_target(self, session: str) -> str | None:
         return rendezvous_target(session, self.members(), exclude=self.address)
@@ -358,6 +380,11 @@ class PeerTier:
         if self.store.nvme is not None:
             held = [a or b for a, b in zip(held, self.store.nvme.contains(keys))]
         missing = [k for k, h in zip(keys, held) if not h]
+        # The session's replica is as fresh as this push, head last: else
+        # its head, imported first, stays the oldest replica and is the first
+        # dropped for room or evicted, which loses the whole prefix.
+        ledger = self.store.replicas
+        ledger.refresh(reversed([k for k, h in zip(keys, held) if h]))
         reply = peer_pb2.ReplicateReply(offered=len(keys), missing=len(missing))
         if not missing:
             return reply
@@ -380,6 +407,7 @@ class PeerTier:
             reply.bytes = result.bytes
         finally:
             self.store.finish_replica_import(reserved, layout, committed)
+            ledger.refresh(reversed(keys))
         self.count("replicas_imported", len(committed))
         reply.imported = len(committed)
         reply.import_s = time.monotonic() - started

@@ -25,6 +25,11 @@ class TierName(str, enum.Enum):
         return self.value
 
 
+# Wire values of the tiers (common.proto's Tier enum; one byte per block in replies).
+TIER_CODES = {TierName.HBM: 1, TierName.DRAM: 2, TierName.NVME: 3, TierName.PEER: 4}
+TIER_BY_CODE = {v: k for k, v in TIER_CODES.items()}
+
+
 @dataclass(slots=True)
 class TierStats:
     """Counters of one tier. Owned by the tier; read a copy via ``snapshot``."""

@@ -19,12 +19,16 @@ import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tierstore.keys import BlockKey
 from tierstore.policies import EvictionPolicy, LruPolicy
 from tierstore.tiers.arena import Arena
 from tierstore.tiers.base import TierName, TierStats
 from tierstore.tiers.slab import SlabAllocator
+
+if TYPE_CHECKING:
+    from tierstore.events import BlockEventLog
 
 
 class EntryState(enum.IntEnum):
@@ -66,6 +70,7 @@ class DramTier:
         self._pins: dict[int, Counter[BlockKey]] = {}
         self._lock = threading.Lock()
         self._stats = TierStats(capacity_bytes=self.allocator.capacity_bytes)
+        self.events: BlockEventLog | None = None  # set by the store: tier changes for routers
 
     # -- writes ---------------------------------------------------------------
 
@@ -91,6 +96,7 @@ class DramTier:
         reserve. With ``pin_for``, each committed block is also pinned for that
         owner in the same step, so no eviction can come between."""
         done = []
+        added: list[BlockKey] = []
         with self._lock:
             pins = self._pins.setdefault(pin_for, Counter()) if pin_for is not None else None
             for key in keys:
@@ -105,10 +111,12 @@ class DramTier:
                     entry.state = EntryState.COMMITTED
                     self.policy.insert(key)
                     self._stats.bytes_in += entry.nbytes
+                    added.append(key)
                     if pins is not None:
                         entry.refs += 1
                         pins[key] += 1
                 done.append(ok)
+            self._log(True, added)
         return done
 
     def abort(self, keys: Iterable[BlockKey], owner: int = 0) -> int:
@@ -131,6 +139,11 @@ class DramTier:
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         with self._lock:
             return [self._readable(self._entries.get(k)) for k in keys]
+
+    def held_keys(self) -> list[BlockKey]:
+        """Every readable key (for a snapshot of the tier)."""
+        with self._lock:
+            return [k for k, e in self._entries.items() if self._readable(e)]
 
     def pin(self, keys: Sequence[BlockKey], owner: int = 0) -> list[DramEntry | None]:
         """Pin each readable key (counted as a hit) or give None (a miss)."""
@@ -237,19 +250,21 @@ class DramTier:
                 return False
             self._free(entry)
             self._stats.evictions += 1
+            self._log(False, [entry.key])
             return True
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
         """Drop committed, unpinned blocks now (no spill)."""
-        n = 0
+        gone = []
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is not None and entry.state == EntryState.COMMITTED and entry.refs == 0:
                     self.policy.remove(key)
                     self._free(entry)
-                    n += 1
-        return n
+                    gone.append(key)
+            self._log(False, gone)
+        return len(gone)
 
     def release_owner(self, owner: int) -> tuple[int, int]:
         """Abort every reservation and drop every pin of a dead owner.
@@ -296,6 +311,11 @@ class DramTier:
     def _evictable(self, key: BlockKey) -> bool:
         entry = self._entries[key]
         return entry.state == EntryState.COMMITTED and entry.refs == 0
+
+    def _log(self, added: bool, keys: list[BlockKey]) -> None:
+        """Record a change of what this tier holds (in the order of the changes)."""
+        if self.events is not None and keys:
+            self.events.record(added, TierName.DRAM, keys)
 
     def _free(self, entry: DramEntry) -> None:
         del self._entries[entry.key]

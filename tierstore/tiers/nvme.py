@@ -54,6 +54,7 @@ import lmdb
 
 from tierstore.errors import BlockSizeError, LayoutError, StorageError
 from tierstore.keys import BlockKey, check_key
+from tierstore.loadboard import RateMeter
 from tierstore.policies import EvictionPolicy, LruPolicy
 from tierstore.ratelog import RateLimitedLog
 from tierstore.tiers.base import TierName, TierStats
@@ -63,6 +64,8 @@ from tierstore.tiers.slab import SlabAllocator
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+    from tierstore.events import BlockEventLog
 
 logger = logging.getLogger(__name__)
 _faults = RateLimitedLog(logger)
@@ -136,6 +139,8 @@ class NvmeTier:
         self._dirty: set[BlockKey] = set()  # last access changed since persisted
         self._stats = TierStats()
         self._closed = False
+        self.events: BlockEventLog | None = None  # set by the store: tier changes for routers
+        self.read_rate = RateMeter()  # verified reads, for routers' cost models
         with ExitStack() as stack:
             prepare_root(self.root)
             self._lock_fd = lock_root(self.root)
@@ -203,6 +208,11 @@ class NvmeTier:
         """Whether each key is held (committed and readable). In memory only."""
         entries = self._entries
         return [k in entries for k in keys]
+
+    def held_keys(self) -> list[BlockKey]:
+        """Every indexed key (for a snapshot of the tier)."""
+        with self._lock:
+            return list(self._entries)
 
     def meta(self, key: BlockKey) -> NvmeEntry | None:
         """A copy of the key's index entry, or None."""
@@ -279,6 +289,7 @@ class NvmeTier:
                     continue
                 entry = NvmeEntry(key, layout_fp, offset, data.nbytes, digest or b"", now)
                 planned.append(_Planned(i, entry, data))
+            self._log(False, [v.key for v in victims])
         return planned, victims, first_of
 
     def _alloc_evicting(self, nbytes: int, victims: list[NvmeEntry]) -> int | None:
@@ -372,6 +383,7 @@ class NvmeTier:
                 else:
                     self._alloc.free(p.entry.offset)
                     self._stats.write_failures += 1
+            self._log(True, [p.entry.key for p in written])
 
     def _write_and_hash(self, planned: list[_Planned]) -> list[OSError | None]:
         """Write the batch's data; hash the blocks that came without a digest
@@ -409,6 +421,7 @@ class NvmeTier:
                 if self._alloc.claim(v.offset, v.nbytes):
                     self._entries[v.key] = v
                     self._policy.insert(v.key)
+                    self._log(True, [v.key])
 
     def _commit(self, put: Sequence[NvmeEntry] = (), delete: Sequence[BlockKey] = ()) -> None:
         """One LMDB write transaction, carrying pending last-access times too.
@@ -437,6 +450,7 @@ class NvmeTier:
                         self._policy.remove(key)
                         self._dirty.discard(key)
                         gone.append(entry)
+                self._log(False, [e.key for e in gone])
             if not gone:
                 return 0
             try:
@@ -446,6 +460,7 @@ class NvmeTier:
                     for entry in gone:
                         self._entries[entry.key] = entry
                         self._policy.insert(entry.key)
+                    self._log(True, [e.key for e in gone])
                 raise StorageError(f"cannot update the NVMe index in {self.root}: {e}") from e
             with self._lock:
                 for entry in gone:
@@ -481,6 +496,7 @@ class NvmeTier:
             self._pins[entry.offset] = self._pins.get(entry.offset, 0) + 1
             self._touch(entry, time.time())
         nbytes = entry.nbytes
+        started = time.perf_counter()
         try:
             hasher = _hasher(nbytes)
             try:
@@ -500,9 +516,16 @@ class NvmeTier:
             if verified:
                 self._stats.hits += 1
                 self._stats.bytes_out += nbytes
+                self.read_rate.add(nbytes, time.perf_counter() - started)
                 return nbytes
             self._stats.misses += 1
             return None
+
+    def _log(self, added: bool, keys: list[BlockKey]) -> None:
+        """Record a change of what this tier holds. Holds _lock (so the log's
+        order is the order of the changes)."""
+        if self.events is not None and keys:
+            self.events.record(added, TierName.NVME, keys)
 
     def _touch(self, entry: NvmeEntry, now: float) -> None:
         """Holds _lock."""
@@ -530,6 +553,7 @@ class NvmeTier:
                 del self._entries[entry.key]
                 self._policy.remove(entry.key)
                 self._dirty.discard(entry.key)
+                self._log(False, [entry.key])
             try:
                 self._commit(delete=[entry.key])
             except lmdb.Error:

@@ -67,3 +67,21 @@ class TierStat(_message.Message):
     write_failures: int
     read_failures: int
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., evictions: _Optional[int] = ..., verify_failures: _Optional[int] = ..., write_failures: _Optional[int] = ..., read_failures: _Optional[int] = ...) -> None: ...
+
+class HostLoad(_message.Message):
+    __slots__ = ("reported", "busy_slots", "slots", "queue_len", "wait_s", "prefill_tokens_per_s", "age_s")
+    REPORTED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LEN_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    reported: bool
+    busy_slots: int
+    slots: int
+    queue_len: int
+    wait_s: float
+    prefill_tokens_per_s: float
+    age_s: float
+    def __init__(self, reported: _Optional[bool] = ..., busy_slots: _Optional[int] = ..., slots: _Optional[int] = ..., queue_len: _Optional[int] = ..., wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., age_s: _Optional[float] = ...) -> None: ...

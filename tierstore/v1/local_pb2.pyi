@@ -88,20 +88,22 @@ class KeysRequest(_message.Message):
     def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., include_peers: _Optional[bool] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class EndTurnRequest(_message.Message):
-    __slots__ = ("client_id", "layout_id", "session", "keys", "num_tokens", "wait")
+    __slots__ = ("client_id", "layout_id", "session", "keys", "num_tokens", "wait", "replica_target")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_TARGET_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     layout_id: bytes
     session: str
     keys: bytes
     num_tokens: int
     wait: bool
-    def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., session: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., wait: _Optional[bool] = ...) -> None: ...
+    replica_target: str
+    def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., session: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., wait: _Optional[bool] = ..., replica_target: _Optional[str] = ...) -> None: ...
 
 class EndTurnReply(_message.Message):
     __slots__ = ("replica_target", "replicating", "pushed", "push_s")
@@ -190,6 +192,28 @@ class ClientInfo(_message.Message):
     connected_s: float
     pins: int
     def __init__(self, client_id: _Optional[int] = ..., name: _Optional[str] = ..., pid: _Optional[int] = ..., connected_s: _Optional[float] = ..., pins: _Optional[int] = ...) -> None: ...
+
+class ReportLoadRequest(_message.Message):
+    __slots__ = ("client_id", "busy_slots", "slots", "queue_len", "wait_s", "prefill_tokens_per_s")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LEN_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    busy_slots: int
+    slots: int
+    queue_len: int
+    wait_s: float
+    prefill_tokens_per_s: float
+    def __init__(self, client_id: _Optional[int] = ..., busy_slots: _Optional[int] = ..., slots: _Optional[int] = ..., queue_len: _Optional[int] = ..., wait_s: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+
+class ReportLoadReply(_message.Message):
+    __slots__ = ("host",)
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    host: _common_pb2.HostLoad
+    def __init__(self, host: _Optional[_Union[_common_pb2.HostLoad, _Mapping]] = ...) -> None: ...
 
 class StatReply(_message.Message):
     __slots__ = ("tiers", "counters", "clients", "version", "uptime_s", "socket_path", "nvme_dir")

@@ -84,6 +84,11 @@ class LocalServiceStub:
                 request_serializer=tierstore_dot_v1_dot_local__pb2.EndTurnRequest.SerializeToString,
                 response_deserializer=tierstore_dot_v1_dot_local__pb2.EndTurnReply.FromString,
                 _registered_method=True)
+        self.ReportLoad = channel.unary_unary(
+                '/tierstore.v1.LocalService/ReportLoad',
+                request_serializer=tierstore_dot_v1_dot_local__pb2.ReportLoadRequest.SerializeToString,
+                response_deserializer=tierstore_dot_v1_dot_local__pb2.ReportLoadReply.FromString,
+                _registered_method=True)
         self.Stat = channel.unary_unary(
                 '/tierstore.v1.LocalService/Stat',
                 request_serializer=tierstore_dot_v1_dot_local__pb2.StatRequest.SerializeToString,
@@ -166,6 +171,14 @@ class LocalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportLoad(self, request, context):
+        """The engine's load (slots, queue); peers and routers read it with the
+        host's lookups. A report expires after load_ttl_s or when the client detaches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stat(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -224,6 +237,11 @@ def add_LocalServiceServicer_to_server(servicer, server):
                     servicer.EndTurn,
                     request_deserializer=tierstore_dot_v1_dot_local__pb2.EndTurnRequest.FromString,
                     response_serializer=tierstore_dot_v1_dot_local__pb2.EndTurnReply.SerializeToString,
+            ),
+            'ReportLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportLoad,
+                    request_deserializer=tierstore_dot_v1_dot_local__pb2.ReportLoadRequest.FromString,
+                    response_serializer=tierstore_dot_v1_dot_local__pb2.ReportLoadReply.SerializeToString,
             ),
             'Stat': grpc.unary_unary_rpc_method_handler(
                     servicer.Stat,
@@ -501,6 +519,33 @@ class LocalService:
             '/tierstore.v1.LocalService/EndTurn',
             tierstore_dot_v1_dot_local__pb2.EndTurnRequest.SerializeToString,
             tierstore_dot_v1_dot_local__pb2.EndTurnReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierstore.v1.LocalService/ReportLoad',
+            tierstore_dot_v1_dot_local__pb2.ReportLoadRequest.SerializeToString,
+            tierstore_dot_v1_dot_local__pb2.ReportLoadReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,8 +12,25 @@ class Compression(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     COMPRESSION_NONE: _ClassVar[Compression]
     COMPRESSION_ZSTD_BYTESPLIT: _ClassVar[Compression]
+
+class BlockOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BLOCK_OP_UNSPECIFIED: _ClassVar[BlockOp]
+    BLOCK_OP_ADD: _ClassVar[BlockOp]
+    BLOCK_OP_REMOVE: _ClassVar[BlockOp]
+    BLOCK_OP_RESET: _ClassVar[BlockOp]
+    BLOCK_OP_SNAPSHOT: _ClassVar[BlockOp]
+    BLOCK_OP_SYNCED: _ClassVar[BlockOp]
+    BLOCK_OP_HEARTBEAT: _ClassVar[BlockOp]
 COMPRESSION_NONE: Compression
 COMPRESSION_ZSTD_BYTESPLIT: Compression
+BLOCK_OP_UNSPECIFIED: BlockOp
+BLOCK_OP_ADD: BlockOp
+BLOCK_OP_REMOVE: BlockOp
+BLOCK_OP_RESET: BlockOp
+BLOCK_OP_SNAPSHOT: BlockOp
+BLOCK_OP_SYNCED: BlockOp
+BLOCK_OP_HEARTBEAT: BlockOp
 
 class PeerKeysRequest(_message.Message):
     __slots__ = ("layout", "keys")
@@ -24,12 +41,18 @@ class PeerKeysRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class PeerLookupReply(_message.Message):
-    __slots__ = ("num_hits", "tiers")
+    __slots__ = ("num_hits", "tiers", "load", "nvme_read_bytes_per_s", "peer_fetch_bytes_per_s")
     NUM_HITS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    NVME_READ_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PEER_FETCH_BYTES_PER_S_FIELD_NUMBER: _ClassVar[int]
     num_hits: int
     tiers: bytes
-    def __init__(self, num_hits: _Optional[int] = ..., tiers: _Optional[bytes] = ...) -> None: ...
+    load: _common_pb2.HostLoad
+    nvme_read_bytes_per_s: float
+    peer_fetch_bytes_per_s: float
+    def __init__(self, num_hits: _Optional[int] = ..., tiers: _Optional[bytes] = ..., load: _Optional[_Union[_common_pb2.HostLoad, _Mapping]] = ..., nvme_read_bytes_per_s: _Optional[float] = ..., peer_fetch_bytes_per_s: _Optional[float] = ...) -> None: ...
 
 class OpenFetchRequest(_message.Message):
     __slots__ = ("layout", "keys", "compression")
@@ -100,3 +123,27 @@ class PeerStatReply(_message.Message):
     replica_bytes: int
     replica_budget_bytes: int
     def __init__(self, group: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStat, _Mapping]]] = ..., replica_bytes: _Optional[int] = ..., replica_budget_bytes: _Optional[int] = ...) -> None: ...
+
+class WatchBlocksRequest(_message.Message):
+    __slots__ = ("epoch", "from_seq")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    from_seq: int
+    def __init__(self, epoch: _Optional[int] = ..., from_seq: _Optional[int] = ...) -> None: ...
+
+class BlockEvents(_message.Message):
+    __slots__ = ("epoch", "seq", "op", "tier", "keys", "load")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    seq: int
+    op: BlockOp
+    tier: _common_pb2.Tier
+    keys: bytes
+    load: _common_pb2.HostLoad
+    def __init__(self, epoch: _Optional[int] = ..., seq: _Optional[int] = ..., op: _Optional[_Union[BlockOp, str]] = ..., tier: _Optional[_Union[_common_pb2.Tier, str]] = ..., keys: _Optional[bytes] = ..., load: _Optional[_Union[_common_pb2.HostLoad, _Mapping]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class PeerServiceStub:
                 request_serializer=tierstore_dot_v1_dot_peer__pb2.PeerStatRequest.SerializeToString,
                 response_deserializer=tierstore_dot_v1_dot_peer__pb2.PeerStatReply.FromString,
                 _registered_method=True)
+        self.WatchBlocks = channel.unary_stream(
+                '/tierstore.v1.PeerService/WatchBlocks',
+                request_serializer=tierstore_dot_v1_dot_peer__pb2.WatchBlocksRequest.SerializeToString,
+                response_deserializer=tierstore_dot_v1_dot_peer__pb2.BlockEvents.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -89,6 +94,16 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchBlocks(self, request, context):
+        """The stream of this sidecar's tier changes, for a router's index: a
+        snapshot first (unless resuming inside the retained log of this epoch),
+        then sequence-numbered batches of added and removed keys, and a heartbeat
+        with the host's load when nothing changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +126,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.PeerStat,
                     request_deserializer=tierstore_dot_v1_dot_peer__pb2.PeerStatRequest.FromString,
                     response_serializer=tierstore_dot_v1_dot_peer__pb2.PeerStatReply.SerializeToString,
+            ),
+            'WatchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBlocks,
+                    request_deserializer=tierstore_dot_v1_dot_peer__pb2.WatchBlocksRequest.FromString,
+                    response_serializer=tierstore_dot_v1_dot_peer__pb2.BlockEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +241,33 @@ class PeerService:
             '/tierstore.v1.PeerService/PeerStat',
             tierstore_dot_v1_dot_peer__pb2.PeerStatRequest.SerializeToString,
             tierstore_dot_v1_dot_peer__pb2.PeerStatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tierstore.v1.PeerService/WatchBlocks',
+            tierstore_dot_v1_dot_peer__pb2.WatchBlocksRequest.SerializeToString,
+            tierstore_dot_v1_dot_peer__pb2.BlockEvents.FromString,
             options,
             channel_credentials,
             insecure,
