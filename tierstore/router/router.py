@@ -1,0 +1,126 @@
+"""The router: asks the hosts (or its index) and ranks them with the cost model.
+
+Provides ``Router``. For a request's block keys it gets, for every candidate
+host, the prefix that host holds by tier and its load: from the ``FleetIndex``
+when the host's event stream is synced and fresh (``watch=True``), else from
+one batched peer ``Lookup`` per host, all sent at once under one deadline (a
+host that does not answer in time is listed as unreachable, never waited
+for). Measured speeds a host reports (prefill, NVMe read, peer fetch) replace
+the configured ones for that host. ``tierstore.router.cost.plan`` does the rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+import grpc
+
+from tierstore.config import PeerConfig, RouterConfig
+from tierstore.errors import ConfigError
+from tierstore.keys import BlockKey, KVLayout
+from tierstore.loadboard import HostLoadView
+from tierstore.peer.tier import PeerClient
+from tierstore.router.cost import HostView, Plan, Rates, plan
+from tierstore.router.feeder import IndexFeeder
+from tierstore.router.index import FleetIndex, load_from_proto
+
+
+def rates_from_config(cfg: RouterConfig) -> Rates:
+    return Rates(
+        prefill_tokens_per_s=cfg.prefill_tokens_per_s,
+        dram_bytes_per_s=cfg.dram_load_bytes_per_s,
+        nvme_bytes_per_s=cfg.nvme_load_bytes_per_s,
+        peer_bytes_per_s=cfg.peer_load_bytes_per_s,
+        turn_s=cfg.turn_s,
+    )
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig, peer: PeerConfig) -> None:
+        if not cfg.router_hosts:
+            raise ConfigError("router_hosts is empty: name the peer address of every host")
+        token = peer.token()
+        if not token:
+            raise ConfigError("the router needs the group's peer_token (or peer_token_file)")
+        self.cfg = cfg
+        self.rates = rates_from_config(cfg)
+        self.clients = {h: PeerClient(h, peer, token) for h in cfg.router_hosts}
+        self.index: FleetIndex | None = None
+        self.feeder: IndexFeeder | None = None
+        if cfg.router_watch:
+            self.index = FleetIndex(stale_s=cfg.router_stale_s)
+            self.feeder = IndexFeeder(
+                self.index, self.clients, lambda h, e, s: self.clients[h].watch_blocks(e, s)
+            )
+
+    def route(
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        num_tokens: int,
+        *,
+        hosts: Sequence[str] = (),
+        session: str = "",
+        current_host: str = "",
+        loads: Mapping[str, HostLoadView] | None = None,
+    ) -> Plan:
+        """Rank ``hosts`` (default: all configured) for a prompt of
+        ``num_tokens`` tokens whose full blocks have ``keys``."""
+        candidates = list(dict.fromkeys(hosts or self.clients))
+        unknown = [h for h in candidates if h not in self.clients]
+        if unknown:
+            raise ValueError(f"not configured hosts: {unknown}; known: {sorted(self.clients)}")
+        if len(keys) * layout.block_tokens > num_tokens:
+            raise ValueError(
+                f"{len(keys)} blocks of {layout.block_tokens} tokens exceed num_tokens {num_tokens}"
+            )
+        views = self._views(layout, keys, candidates)
+        if loads:
+            views = [replace(v, load=loads[v.host]) if v.host in loads else v for v in views]
+        return plan(
+            views, len(keys), num_tokens, layout.block_tokens, layout.block_bytes, self.rates,
+            session=session, current_host=current_host, spill_tie_s=self.cfg.spill_tie_s,
+        )  # fmt: skip
+
+    def _views(
+        self, layout: KVLayout, keys: Sequence[BlockKey], hosts: list[str]
+    ) -> list[HostView]:
+        now = time.monotonic()
+        views: dict[str, HostView] = {}
+        if self.index is not None:
+            for h in hosts:
+                if self.index.fresh(h, now):
+                    tiers, load = self.index.prefix(h, keys)
+                    speed = load.prefill_tokens_per_s if load is not None else 0.0
+                    views[h] = HostView(
+                        h,
+                        tiers,
+                        load,
+                        self.rates.for_host(prefill_tokens_per_s=speed),
+                        source="index",
+                    )
+        asked = {
+            h: self.clients[h].lookup_future(layout, keys, self.cfg.router_lookup_timeout_s)
+            for h in hosts
+            if h not in views
+        }
+        for h, fut in asked.items():
+            try:
+                reply = fut.result()
+            except grpc.RpcError as e:
+                views[h] = HostView(h, reachable=False, error=f"{e.code().name}: {e.details()}")
+                continue
+            load = load_from_proto(reply.load)
+            rates = self.rates.for_host(
+                load.prefill_tokens_per_s, reply.nvme_read_bytes_per_s, reply.peer_fetch_bytes_per_s
+            )
+            views[h] = HostView(h, reply.tiers[: reply.num_hits], load, rates)
+        return [views[h] for h in hosts]
+
+    def close(self) -> None:
+        if self.feeder is not None:
+            self.feeder.close()
+        for c in self.clients.values():
+            c.close()
