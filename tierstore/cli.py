@@ -179,6 +179,21 @@ def format_stat(stat: dict[str, Any]) -> str:
                 _human_bytes(c.get("replica_bytes", 0)),
             )
         )
+    if "peer_watchers" in c:
+        lines.append(
+            "routers   {} watching  snapshots sent {}  refused {}".format(
+                c.get("peer_watchers", 0),
+                c.get("peer_watch_snapshots", 0),
+                c.get("peer_watch_refused", 0),
+            )
+        )
+    load = stat.get("load") or {}
+    if load.get("reported"):
+        lines.append(
+            "load      {}/{} slots busy, {} queued (reported by the engines)".format(
+                load.get("busy_slots", 0), load.get("slots", 0), load.get("queue_len", 0)
+            )
+        )
     clients = stat.get("clients", [])
     lines.append(f"clients   {len(clients)} attached")
     for cl in clients:

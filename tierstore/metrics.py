@@ -30,6 +30,7 @@ TIER_COUNTERS = (
     "write_failures",
     "read_failures",
 )
+GAUGE_COUNTERS = {"peer_watchers"}  # counters that go down too
 
 
 class SidecarCollector(Collector):
@@ -52,10 +53,18 @@ class SidecarCollector(Collector):
                 c.add_metric([t.name], getattr(t, name))
             yield c
         for name, value in sorted(stat.counters.items()):
-            yield CounterMetricFamily(f"tierstore_{name}", f"Store counter {name}", value=value)
+            if name in GAUGE_COUNTERS:
+                yield GaugeMetricFamily(f"tierstore_{name}", f"Store gauge {name}", value=value)
+            else:
+                yield CounterMetricFamily(f"tierstore_{name}", f"Store counter {name}", value=value)
         yield GaugeMetricFamily(
             "tierstore_clients", "Attached engine clients", value=len(stat.clients)
         )
+        load = self.sidecar.loads.host()  # what the host's engines last reported
+        for name in ("busy_slots", "slots", "queue_len"):
+            yield GaugeMetricFamily(
+                f"tierstore_engine_{name}", f"Engines' reported {name}", value=getattr(load, name)
+            )
 
 
 def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> Any:

@@ -470,6 +470,7 @@ def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
         uptime_s=now - servicer.started_at,
         socket_path=servicer.cfg.socket_path,
         nvme_dir=servicer.config.store.nvme_dir if servicer.store.nvme is not None else "",
+        load=host_load_proto(servicer.loads.host()),
     )
 
 

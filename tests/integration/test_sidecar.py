@@ -145,11 +145,13 @@ def test_prefetch_policies(sidecar: SidecarProcess) -> None:
 def test_stat_cli_and_json(sidecar: SidecarProcess) -> None:
     with StoreClient(str(sidecar.socket), name="stat-test") as client:
         client.store(SMALL_LAYOUT, keys_for(3), blocks(3))
+        client.report_load(2, 8, 5)
         cli = [sys.executable, "-m", "tierstore.cli", "stat", "--socket", str(sidecar.socket)]
         table = subprocess.run(
             cli, capture_output=True, text=True, timeout=60, cwd=REPO, check=True
         ).stdout
         assert "dram" in table and "nvme" in table and "stat-test" in table
+        assert "2/8 slots busy, 5 queued" in table
         stat = json.loads(
             subprocess.run(
                 [*cli, "--json"], capture_output=True, text=True, timeout=60, cwd=REPO, check=True
@@ -247,10 +249,13 @@ def test_metrics_and_health(tmp_path) -> None:
     try:
         with StoreClient(str(proc.socket)) as client:
             client.store(SMALL_LAYOUT, keys_for(2), blocks(2))
+            client.report_load(3, 4, 1)
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
                 text = r.read().decode()
             assert 'tierstore_tier_num_blocks{tier="dram"} 2.0' in text
             assert "tierstore_clients 1.0" in text
+            assert "tierstore_engine_busy_slots 3.0" in text
+            assert "tierstore_engine_queue_len 1.0" in text
         with grpc.insecure_channel(f"unix:{proc.socket}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             for service in ("", "tierstore.v1.LocalService"):

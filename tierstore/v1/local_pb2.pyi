@@ -216,7 +216,7 @@ class ReportLoadReply(_message.Message):
     def __init__(self, host: _Optional[_Union[_common_pb2.HostLoad, _Mapping]] = ...) -> None: ...
 
 class StatReply(_message.Message):
-    __slots__ = ("tiers", "counters", "clients", "version", "uptime_s", "socket_path", "nvme_dir")
+    __slots__ = ("tiers", "counters", "clients", "version", "uptime_s", "socket_path", "nvme_dir", "load")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,7 @@ class StatReply(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
     NVME_DIR_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStat]
     counters: _containers.ScalarMap[str, int]
     clients: _containers.RepeatedCompositeFieldContainer[ClientInfo]
@@ -238,4 +239,5 @@ class StatReply(_message.Message):
     uptime_s: float
     socket_path: str
     nvme_dir: str
-    def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.TierStat, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., clients: _Optional[_Iterable[_Union[ClientInfo, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., socket_path: _Optional[str] = ..., nvme_dir: _Optional[str] = ...) -> None: ...
+    load: _common_pb2.HostLoad
+    def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.TierStat, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., clients: _Optional[_Iterable[_Union[ClientInfo, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., socket_path: _Optional[str] = ..., nvme_dir: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.HostLoad, _Mapping]] = ...) -> None: ...
