@@ -1,5 +1,6 @@
 """ReplicaLedger: which blocks held here are other hosts' replicas (kv_share),
-oldest first, and the bytes promised to replica imports still in flight.
+least recently pushed first, and the bytes promised to replica imports still
+in flight. The order decides which replicas leave first (eviction, budget).
 
 Pure bookkeeping behind one lock, no I/O: residency is still answered by the
 tiers (the store prunes keys that no tier holds). The budget check and the
@@ -56,6 +57,15 @@ class ReplicaLedger:
                     self._used_bytes += block_bytes
                 self._blocks[key] = block_bytes
                 self._blocks.move_to_end(key)
+
+    def refresh(self, keys: Iterable[BlockKey]) -> None:
+        """The replicas among ``keys`` were pushed again: move them to the
+        newest end, in the given order (the last given ends newest). Keys that
+        are not replicas (this host's own blocks) are left alone."""
+        with self._lock:
+            for key in keys:
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
 
     def discard(self, keys: Iterable[BlockKey]) -> None:
         with self._lock:
