@@ -54,7 +54,7 @@ def _config(args: argparse.Namespace) -> Config:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tierstore.server import serve
+    from tierstore.sidecar import serve
 
     config = _config(args)
     logging.basicConfig(

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from tierstore.errors import TierstoreError
 
 if TYPE_CHECKING:
-    from tierstore.server import Sidecar
+    from tierstore.sidecar import Sidecar
 
 TIER_GAUGES = ("capacity_bytes", "used_bytes", "num_blocks")
 TIER_COUNTERS = (

@@ -1,48 +1,40 @@
-"""The sidecar: ``tierstore serve``.
+"""The local service (engine <-> sidecar): ``LocalServicer``.
 
-Provides ``Sidecar``, which owns one TieredStore and serves the local gRPC
-service (engine <-> sidecar) on a Unix socket, with the standard gRPC health
-service and a Prometheus endpoint, and ``LocalServicer``, the service itself.
+Provides the handlers of ``LocalService`` (attach, layouts, two-phase
+writes, lookup, acquire/release, prefetch, end of turn, load reports, stat)
+over one TieredStore, with per-client cleanup: a client whose Attach stream
+ends, by exit or crash, has its reservations and pins released. ``stat_reply``
+builds the StatReply that ``tierstore stat`` and the metrics endpoint read.
+The process around it is ``tierstore.sidecar``.
 
 Threads: gRPC's pool runs the handlers (one long-lived thread per attached
 client for its Attach stream, plus ``rpc_threads`` for unary calls); the
-store's demoter and the prefetch workers run beside them. ``Sidecar.stop``
-(SIGTERM/SIGINT in ``serve``) refuses new calls, lets in-flight calls finish
-for ``shutdown_grace_s``, then closes the store (NVMe index flushed).
-
-A second sidecar on the same socket or NVMe directory fails at start with a
-message naming the running one; nothing of the first is touched.
+store's demoter and the prefetch workers run beside them.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import secrets
-import signal
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tierstore import __version__
 from tierstore.config import Config
 from tierstore.errors import TierstoreError
-from tierstore.fastpath import FastLookupServer, fast_socket_path
+from tierstore.fastpath import FastLookupServer
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout
-from tierstore.loadboard import EngineLoad, HostLoadView, LoadBoard
-from tierstore.metrics import start_metrics_server
+from tierstore.loadboard import EngineLoad, LoadBoard
 from tierstore.prefetch import BestEffort, Prefetcher, PrefetchPolicy, Timeout, WaitAll
 from tierstore.store import STORE_OWNER, TieredStore
 from tierstore.tiers.base import TIER_CODES, TierName
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
+from tierstore.wire import host_load_proto, layout_from_proto
 
 if TYPE_CHECKING:
     from tierstore.peer.service import PeerServer
@@ -405,32 +397,6 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         return stat_reply(self)
 
 
-def layout_from_proto(msg: common_pb2.Layout) -> KVLayout:
-    return KVLayout(
-        model=msg.model,
-        num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads,
-        head_dim=msg.head_dim,
-        dtype=msg.dtype,
-        block_tokens=msg.block_tokens,
-        tp_rank=msg.tp_rank,
-        tp_size=msg.tp_size or 1,
-        tenant_salt=msg.tenant_salt,
-    )
-
-
-def host_load_proto(view: HostLoadView) -> common_pb2.HostLoad:
-    return common_pb2.HostLoad(
-        reported=view.reported, busy_slots=view.busy_slots, slots=view.slots,
-        queue_len=view.queue_len, wait_s=view.wait_s,
-        prefill_tokens_per_s=view.prefill_tokens_per_s, age_s=view.age_s,
-    )  # fmt: skip
-
-
-def layout_to_proto(layout: KVLayout) -> common_pb2.Layout:
-    return common_pb2.Layout(**layout.to_dict())
-
-
 def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
     stat = servicer.store.stat()
     counters = dict(stat["store"])
@@ -472,143 +438,3 @@ def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
         nvme_dir=servicer.config.store.nvme_dir if servicer.store.nvme is not None else "",
         load=host_load_proto(servicer.loads.host()),
     )
-
-
-class SocketLock:
-    """An flock next to the socket: one sidecar per socket path."""
-
-    def __init__(self, socket_path: Path) -> None:
-        self.path = socket_path.with_name(socket_path.name + ".lock")
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(self._fd)
-            raise TierstoreError(
-                f"socket {socket_path} is served by another tierstore process (pid {holder}); "
-                "stop it first or choose another socket_path"
-            ) from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, str(os.getpid()).encode(), 0)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-class Sidecar:
-    """One store, its gRPC services and its metrics endpoint."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        cfg = config.server
-        self.socket_path = Path(cfg.socket_path)
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock = SocketLock(self.socket_path)
-        self.stopping = threading.Event()
-        self._stopped = threading.Event()
-        self.metrics_server: Any = None
-        try:
-            self.store = TieredStore(config.store)
-        except BaseException:
-            self._lock.close()
-            raise
-        self.peer_server: PeerServer | None = None
-        self.fast_lookup: FastLookupServer | None = None
-        self.loads = LoadBoard(cfg.load_ttl_s)
-        try:
-            if config.peer.peer_port:
-                from tierstore.peer.service import PeerServer
-
-                self.peer_server = PeerServer(self.store, config.peer, self.loads)
-            self.servicer = LocalServicer(
-                self.store, config, self.stopping, self.peer_server, self.loads
-            )
-            self.health = health.HealthServicer()
-            self.grpc_server = grpc.server(
-                futures.ThreadPoolExecutor(
-                    max_workers=cfg.max_clients + cfg.rpc_threads,
-                    thread_name_prefix="tierstore-rpc",
-                ),
-                options=[
-                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ],
-                maximum_concurrent_rpcs=cfg.max_clients + 4 * cfg.rpc_threads,
-            )
-            local_pb2_grpc.add_LocalServiceServicer_to_server(self.servicer, self.grpc_server)
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-            self.socket_path.unlink(missing_ok=True)  # stale: the lock says nobody serves it
-            old_umask = os.umask(0o177)  # the socket is created owner-only
-            try:
-                self.grpc_server.add_insecure_port(f"unix:{self.socket_path}")
-                self.grpc_server.start()
-            finally:
-                os.umask(old_umask)
-            os.chmod(self.socket_path, 0o600)
-            self.fast_lookup = FastLookupServer(
-                fast_socket_path(self.socket_path), self.store, cfg.max_batch_keys,
-                cfg.max_clients,
-            )  # fmt: skip
-            self.servicer.fast_lookup = self.fast_lookup
-            if cfg.metrics_port:
-                self.metrics_server = start_metrics_server(self, cfg.metrics_host, cfg.metrics_port)
-        except BaseException:
-            self._close_store()
-            raise
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info(
-            "tierstore %s serving on unix:%s (DRAM %s, NVMe %s)",
-            __version__,
-            self.socket_path,
-            config.store.dram_bytes,
-            config.store.nvme_dir if self.store.nvme is not None else "off",
-        )
-
-    def stop(self) -> None:
-        """Refuse new calls, finish in-flight ones, close the store. Idempotent."""
-        if self.stopping.is_set():
-            self._stopped.wait(timeout=self.config.server.shutdown_grace_s + 30)
-            return
-        self.stopping.set()
-        self.health.enter_graceful_shutdown()
-        self.grpc_server.stop(self.config.server.shutdown_grace_s).wait()
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
-        self._close_store()
-        self._stopped.set()
-        log.info("tierstore stopped")
-
-    def _close_store(self) -> None:
-        if self.fast_lookup is not None:
-            self.fast_lookup.close()
-        if self.peer_server is not None:
-            self.peer_server.stop(self.config.server.shutdown_grace_s)
-        if hasattr(self, "servicer"):
-            self.servicer.prefetcher.close()
-        self.store.close()
-        self.socket_path.unlink(missing_ok=True)
-        self._lock.close()
-
-    def wait(self) -> None:
-        self._stopped.wait()
-
-
-def serve(config: Config) -> int:
-    """Run a sidecar until SIGTERM or SIGINT. Returns the exit status."""
-    sidecar = Sidecar(config)
-    stop_requested = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        log.info("signal %s: shutting down", signal.Signals(signum).name)
-        stop_requested.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    print(f"tierstore serving on unix:{sidecar.socket_path}", flush=True)
-    stop_requested.wait()
-    sidecar.stop()
-    return 0

@@ -33,8 +33,8 @@ from tierstore.router.feeder import IndexFeeder
 from tierstore.router.index import FleetIndex
 from tierstore.router.router import Router
 from tierstore.router.service import RouterServer
-from tierstore.server import layout_to_proto
 from tierstore.v1 import peer_pb2, router_pb2, router_pb2_grpc
+from tierstore.wire import layout_to_proto
 
 from ..conftest import SMALL_LAYOUT
 from .test_peers import TOKEN, addr, free_port, start, stop_all

@@ -27,10 +27,10 @@ from tierstore.keys import KEY_BYTES, BlockKey, KVLayout
 from tierstore.loadboard import LoadBoard
 from tierstore.peer.data import DataServer
 from tierstore.peer.tier import PeerTier
-from tierstore.server import host_load_proto, layout_from_proto
 from tierstore.store import TieredStore
 from tierstore.tiers.base import TIER_CODES
 from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from tierstore.wire import host_load_proto, layout_from_proto
 
 log = logging.getLogger(__name__)
 

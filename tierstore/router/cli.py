@@ -159,8 +159,8 @@ def _ask_router(
     loads: dict[str, Any],
 ) -> Plan:  # fmt: skip
     from tierstore.router.service import plan_from_proto
-    from tierstore.server import host_load_proto, layout_to_proto
     from tierstore.v1 import router_pb2, router_pb2_grpc
+    from tierstore.wire import host_load_proto, layout_to_proto
 
     req = router_pb2.RouteRequest(
         layout=layout_to_proto(layout), token_ids=tokens, session=session, current_host=current,

@@ -25,8 +25,8 @@ from tierstore.peer.service import TokenAuth
 from tierstore.router.cost import HostCost, Plan
 from tierstore.router.index import load_from_proto
 from tierstore.router.router import Router
-from tierstore.server import host_load_proto, layout_from_proto
 from tierstore.v1 import router_pb2, router_pb2_grpc
+from tierstore.wire import host_load_proto, layout_from_proto
 
 log = logging.getLogger(__name__)
 
