@@ -354,6 +354,27 @@ def test_replica_budget_holds_under_concurrent_pushes(trio: Trio) -> None:
         assert counters(b)["replica_bytes"] <= REPLICA_BUDGET_BLOCKS * BLOCK
 
 
+def test_room_for_a_delta_comes_from_the_least_recently_pushed_replica(trio: Trio) -> None:
+    """X (24 blocks) then Y (40) fill B's budget of 64; X's next turn adds 8
+    blocks. Room for them must come from Y, pushed less recently, not from
+    X's head, the oldest import: losing a head loses the whole prefix."""
+    old, grown = 24, 32
+    toks_x = tokens(grown, 5_700_000)
+    keys_x, keys_y = keys_of(toks_x), keys_of(tokens(40, 5_800_000))
+    sx = session_for(trio.addrs[1], trio.addrs, trio.addrs[0], "fresh-x")
+    sy = session_for(trio.addrs[1], trio.addrs, trio.addrs[0], "fresh-y")
+    with trio.client(0) as a, trio.client(1) as b:
+        a.store(L, keys_x, fp16_blocks(grown, 57))
+        a.store(L, keys_y, fp16_blocks(40, 58))
+        assert a.end_turn(sx, L, keys_x[:old], 8 * old, wait=True).pushed == old
+        assert a.end_turn(sy, L, keys_y, 8 * 40, wait=True).pushed == 40
+        assert b.lookup(L, keys_x[:old]).num_hits == old
+        assert a.end_turn(sx, L, keys_x, len(toks_x), wait=True).pushed == grown - old
+        assert b.lookup(L, keys_x).num_hits == grown
+        assert b.lookup(L, keys_y).num_hits < 40
+        assert counters(b)["replica_bytes"] <= REPLICA_BUDGET_BLOCKS * BLOCK
+
+
 def test_peer_port_refuses_missing_and_wrong_tokens(trio: Trio) -> None:
     keys = keys_of(tokens(2, 6_000_000))
     req = peer_pb2.PeerKeysRequest(layout=layout_to_proto(L), keys=b"".join(keys))
