@@ -19,7 +19,6 @@ HBM pool's writes are serialised by one lock.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import threading
 import time
@@ -29,20 +28,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import numpy as np
 import torch
 
-from tierstore import cuda
 from tierstore.config import load_config
+from tierstore.copier import ArenaCopier, as_block_rows
 from tierstore.errors import BlockSizeError, LayoutError, TierstoreError
 from tierstore.fastpath import FastLookupClient, fast_socket_path
 from tierstore.hbm import HbmEntry, HbmTier
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.tiers.arena import Arena
-from tierstore.tiers.base import TierName
+from tierstore.tiers.base import TIER_BY_CODE, TierName
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
 
-TIER_BY_CODE = {1: TierName.HBM, 2: TierName.DRAM, 3: TierName.NVME, 4: TierName.PEER}
 POLICY_CODES = {
     "best_effort": local_pb2.PREFETCH_BEST_EFFORT,
     "wait": local_pb2.PREFETCH_WAIT,
@@ -117,44 +114,6 @@ def _rpc_error(e: grpc.RpcError, what: str) -> TierstoreError:
     return TierstoreError(f"{what}: {code.name if code else 'error'}: {detail}")
 
 
-def as_block_rows(layout: KVLayout, num_blocks: int, blocks: Any) -> list[torch.Tensor]:
-    """One flat uint8 tensor per block from a tensor/array/buffer holding
-    ``num_blocks`` blocks, or from a list of per-block ones. Zero-copy where
-    the input is contiguous; raises BlockSizeError before anything is stored."""
-    size = layout.block_bytes
-    if isinstance(blocks, list | tuple):
-        if len(blocks) != num_blocks:
-            raise BlockSizeError(f"{len(blocks)} blocks given for {num_blocks} keys")
-        rows = [_flat_bytes(b) for b in blocks]
-        for i, row in enumerate(rows):
-            if row.numel() != size:
-                raise BlockSizeError(f"block {i} has {row.numel()} bytes; the layout needs {size}")
-        return rows
-    flat = _flat_bytes(blocks)
-    if flat.numel() != size * num_blocks:
-        raise BlockSizeError(
-            f"{flat.numel()} bytes given for {num_blocks} blocks of {size} bytes; "
-            f"expected {size * num_blocks}"
-        )
-    return list(flat.view(num_blocks, size)) if num_blocks else []
-
-
-def _flat_bytes(obj: Any) -> torch.Tensor:
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        return t.reshape(-1).view(torch.uint8)
-    arr = (
-        np.ascontiguousarray(
-            np.frombuffer(obj, dtype=np.uint8) if not isinstance(obj, np.ndarray) else obj
-        )
-        .reshape(-1)
-        .view(np.uint8)
-    )
-    return torch.from_numpy(arr)
-
-
 class StoreClient:
     """See the module docstring. Use as a context manager or call ``close``."""
 
@@ -200,11 +159,7 @@ class StoreClient:
         self.server_version = hello.server_version
         self.arena = Arena.attach(hello.arena_path, hello.arena_bytes)
         self.arena_tensor = torch.frombuffer(self.arena.buf, dtype=torch.uint8)
-        self._pinned_host = False
-        self._stream = None
-        if cuda.available(self.device):
-            self._pinned_host = cuda.register_host(self.arena_tensor)
-            self._stream = cuda.copy_stream(self.device)
+        self._copier = ArenaCopier(self.arena_tensor, self.device)
         self.hbm = HbmTier(hbm_bytes, self.device) if hbm_bytes > 0 else None
         self._hbm_lock = threading.Lock()
         self._layouts: dict[bytes, KVLayout] = {}
@@ -251,52 +206,6 @@ class StoreClient:
             deadline_s=deadline_s,
         )
 
-    def _sync(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if dst.device.type == "cpu" and src.device.type == "cpu":
-            # One memcpy. torch's copy_ splits a block over its intra-op
-            # threads, and when the cores are busy (the engine computing) those
-            # threads spin-wait: block copies ran 40x slower than memcpy.
-            np.copyto(dst.numpy(), src.numpy())
-        elif self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                dst.copy_(src, non_blocking=True)
-        else:
-            dst.copy_(src)
-
-    def _empty_rows(self, num_rows: int, row_bytes: int) -> torch.Tensor:
-        """An uninitialised (num_rows, row_bytes) uint8 tensor on this client's
-        device; on the CPU page-aligned like the arena (a destination a few
-        bytes past a page boundary halves memcpy speed: 4 KiB aliasing)."""
-        if self.device.type != "cpu":
-            return torch.empty((num_rows, row_bytes), dtype=torch.uint8, device=self.device)
-        buf = mmap.mmap(-1, max(num_rows * row_bytes, mmap.PAGESIZE))
-        return torch.frombuffer(buf, dtype=torch.uint8)[: num_rows * row_bytes].view(
-            num_rows, row_bytes
-        )
-
-    def _copy_runs(
-        self, rows: torch.Tensor, offsets: Sequence[int], block_bytes: int, to_arena: bool
-    ) -> None:
-        """Copy between ``rows[j]`` and the arena slot at ``offsets[j]``,
-        merging slots that sit back to back in the arena into one copy
-        (a slab run holds consecutive blocks: 2048 blocks went 45 -> 20 ms)."""
-        j = 0
-        while j < len(offsets):
-            k = j + 1
-            while k < len(offsets) and offsets[k] == offsets[k - 1] + block_bytes:
-                k += 1
-            arena = self.arena_tensor[offsets[j] : offsets[j] + (k - j) * block_bytes]
-            span = rows[j:k].reshape(-1)
-            if to_arena:
-                self._copy(arena, span)
-            else:
-                self._copy(span, arena)
-            j = k
-
     def register(self, layout: KVLayout) -> bytes:
         """Tell the sidecar about a layout (once per layout per client)."""
         fp = layout.fingerprint
@@ -342,11 +251,11 @@ class StoreClient:
                 if slot is None:
                     held[i] = False
                     continue
-                self._copy(slot, row)
+                self._copier.copy(slot, row)
         if write_through:
             down = self._write_down(layout, keys, rows)
             held = [a or b for a, b in zip(held, down)]
-        self._sync()
+        self._copier.sync()
         return held
 
     def _hbm_slot(self, key: BlockKey, layout: KVLayout, dirty: bool) -> torch.Tensor | None:
@@ -386,11 +295,11 @@ class StoreClient:
             ok = []
             for j, (status, offset) in enumerate(zip(reply.statuses, reply.offsets)):
                 if status == local_pb2.RESERVE_OK:
-                    self._copy(self.arena_tensor[offset : offset + n], rows[lo + j])
+                    self._copier.copy(self.arena_tensor[offset : offset + n], rows[lo + j])
                     ok.append(batch[j])
                 held.append(status != local_pb2.RESERVE_FULL)
             if ok:
-                self._sync()
+                self._copier.sync()
                 self._call(self._stub.Commit, self._req(layout, ok), "commit")
         return held
 
@@ -490,7 +399,7 @@ class StoreClient:
         keys = check_keys(keys)
         n = layout.block_bytes
         if out is None:
-            out = self._empty_rows(len(keys), n)
+            out = self._copier.empty_rows(len(keys), n)
         elif out.numel() * out.element_size() < len(keys) * n:
             raise BlockSizeError(
                 f"out holds {out.numel() * out.element_size()} bytes; "
@@ -506,7 +415,7 @@ class StoreClient:
             if in_hbm[i] and self.hbm is not None:
                 (view,) = self.hbm.get([keys[i]])
                 if view is not None:
-                    self._copy(rows[i], view)
+                    self._copier.copy(rows[i], view)
                     tiers.append(TierName.HBM)
                     i += 1
                     continue
@@ -525,7 +434,7 @@ class StoreClient:
             i += len(got)
             if len(got) < end - (i - len(got)):
                 break  # a gap: the rest must be prefilled
-        self._sync()
+        self._copier.sync()
         return LoadResult(len(tiers), tuple(tiers), out)
 
     def _load_run(
@@ -543,14 +452,14 @@ class StoreClient:
         with self.acquire(
             layout, keys, include_peers=include_peers, deadline_s=deadline_s
         ) as pinned:
-            self._copy_runs(rows, pinned.offsets, layout.block_bytes, to_arena=False)
+            self._copier.copy_runs(rows, pinned.offsets, layout.block_bytes, to_arena=False)
             if promote and self.hbm is not None:
                 with self._hbm_lock:
                     for key, view in zip(pinned.keys, pinned.views):
                         slot = self._hbm_slot(key, layout, dirty=False)
                         if slot is not None:
-                            self._copy(slot, view)
-            self._sync()  # copies out of the arena end before the pins go
+                            self._copier.copy(slot, view)
+            self._copier.sync()  # copies out of the arena end before the pins go
             tiers = list(local_tiers[: len(pinned.keys)])
             beyond = TierName.PEER if include_peers else TierName.DRAM  # raced in meanwhile
             return tiers + [beyond] * (len(pinned.keys) - len(tiers))
@@ -590,7 +499,7 @@ class StoreClient:
             ready = keys[: reply.ready_blocks]
             missing = [k for k, held in zip(ready, self.hbm.contains(ready)) if not held]
             if missing:
-                scratch = self._empty_rows(len(missing), layout.block_bytes)
+                scratch = self._copier.empty_rows(len(missing), layout.block_bytes)
                 self._load_run(layout, missing, scratch, promote=True)
         return PrefetchResult(
             OUTCOME_NAMES[reply.outcome], reply.ready_blocks, reply.available_blocks
@@ -666,8 +575,7 @@ class StoreClient:
         self._attach.cancel()
         self._channel.close()
         self._watcher.join(timeout=5)
-        if self._pinned_host:
-            cuda.unregister_host(self.arena_tensor)
+        self._copier.close()
         if self.hbm is not None:
             self.hbm.close()
         del self.arena_tensor
