@@ -363,13 +363,17 @@ class HFStoreAdapter:
         held = self.client.store(self.layout, keys[have:], blocks)
         return sum(held)
 
-    def end_turn(self, session: str, token_ids: TokenIds, *, wait: bool = False) -> Any:
+    def end_turn(
+        self, session: str, token_ids: TokenIds, *, wait: bool = False, replica_target: str = ""
+    ) -> Any:
         """Tell the sidecar that ``session``'s turn ended with ``token_ids``
-        (stored first with ``save``); long turns are replicated to peers."""
+        (stored first with ``save``); long turns are replicated to a peer:
+        ``replica_target`` (a router's spill host) or the rendezvous one."""
         ids = _as_ids(token_ids)
         return self.client.end_turn(
-            session, self.layout, self.keys(ids), int(ids.numel()), wait=wait
-        )
+            session, self.layout, self.keys(ids), int(ids.numel()), wait=wait,
+            replica_target=replica_target,
+        )  # fmt: skip
 
     # -- prefill -------------------------------------------------------------------------
 
