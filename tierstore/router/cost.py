@@ -124,6 +124,15 @@ def queue_wait_s(load: HostLoadView | None, rates: Rates) -> float:
     return first + ahead * rates.turn_s / slots
 
 
+@dataclass(frozen=True, slots=True)
+class _PrefixCost:
+    load_s: float
+    prefill_s: float
+    blocks: Mapping[str, int]
+    held_blocks: int
+    reused_tokens: int
+
+
 def estimate(
     view: HostView,
     tiers: np.ndarray,
@@ -133,43 +142,75 @@ def estimate(
     rates: Rates,
 ) -> HostCost:
     """TTFT on one host whose usable prefix has these tier codes (its own
-    blocks, then PEER for blocks it would fetch). Loads the prefix length
-    that minimises load + prefill; at least one token is always computed."""
+    blocks, then PEER for blocks it would fetch); see ``_prefix_costs``."""
     r = view.rates or rates
-    queue = queue_wait_s(view.load, r)
-    per_block = np.zeros(5, dtype=np.float64)
-    per_block[DRAM] = block_bytes / r.dram_bytes_per_s
-    per_block[NVME] = block_bytes / r.nvme_bytes_per_s + per_block[DRAM]
-    per_block[PEER] = block_bytes / r.peer_bytes_per_s + per_block[DRAM]
-    n = len(tiers)
-    load_cum = np.zeros(n + 1)
-    np.cumsum(per_block[tiers], out=load_cum[1:])
-    lengths = np.arange(n + 1)
-    for code, fixed in ((NVME, r.nvme_fixed_s), (PEER, r.peer_fixed_s)):
-        first = np.flatnonzero(tiers == code)
-        if first.size:
-            load_cum[first[0] + 1 :] += fixed
-    reused = np.minimum(lengths * block_tokens, max(num_tokens - 1, 0))
-    prefill = (num_tokens - reused) / r.prefill_tokens_per_s
-    total = load_cum + prefill
-    best = int(np.argmin(total))  # the shortest of equal costs: no load for nothing
-    used = tiers[:best]
-    counts = np.bincount(used, minlength=5)
-    blocks = {str(t): int(counts[TIER_CODES[t]]) for t in _TIER_ORDER if counts[TIER_CODES[t]]}
-    held = int(np.count_nonzero(tiers != PEER))
+    (c,) = _prefix_costs(tiers[None, :], [r], num_tokens, block_tokens, block_bytes)
+    return _host_cost(view, r, c, num_tokens)
+
+
+def _host_cost(view: HostView, rates: Rates, c: _PrefixCost, num_tokens: int) -> HostCost:
+    queue = queue_wait_s(view.load, rates)
     return HostCost(
         host=view.host,
-        ttft_s=queue + float(total[best]),
+        ttft_s=queue + c.load_s + c.prefill_s,
         queue_s=queue,
-        load_s=float(load_cum[best]),
-        prefill_s=float(prefill[best]),
-        blocks=blocks,
-        held_blocks=held,
-        reused_tokens=int(reused[best]),
-        prefill_tokens=num_tokens - int(reused[best]),
+        load_s=c.load_s,
+        prefill_s=c.prefill_s,
+        blocks=c.blocks,
+        held_blocks=c.held_blocks,
+        reused_tokens=c.reused_tokens,
+        prefill_tokens=num_tokens - c.reused_tokens,
         source=view.source,
         load=view.load,
     )
+
+
+def _prefix_costs(
+    tiers: np.ndarray,
+    rates: Sequence[Rates],
+    num_tokens: int,
+    block_tokens: int,
+    block_bytes: int,
+) -> list[_PrefixCost]:
+    """Load + prefill of each row of ``tiers`` (a usable prefix as tier
+    codes, under that row's rates), at the prefix length that minimises
+    their sum (the shortest of equal costs: nothing loaded for nothing); at
+    least one token is always computed. numpy over rows x blocks."""
+    rows, n = tiers.shape
+
+    def col(name: str) -> np.ndarray:
+        return np.array([getattr(r, name) for r in rates], dtype=np.float64)
+
+    table = np.zeros((rows, 5))
+    table[:, DRAM] = block_bytes / col("dram_bytes_per_s")
+    table[:, NVME] = block_bytes / col("nvme_bytes_per_s") + table[:, DRAM]
+    table[:, PEER] = block_bytes / col("peer_bytes_per_s") + table[:, DRAM]
+    load_cum = np.zeros((rows, n + 1))
+    np.cumsum(np.take_along_axis(table, tiers, axis=1), axis=1, out=load_cum[:, 1:])
+    lengths = np.arange(n + 1)
+    for code, fixed in ((NVME, col("nvme_fixed_s")), (PEER, col("peer_fixed_s"))):
+        has = np.concatenate([tiers == code, np.ones((rows, 1), dtype=bool)], axis=1)
+        first = has.argmax(axis=1)  # n when the tier is not used
+        load_cum += (lengths[None, :] > first[:, None]) * fixed[:, None]
+    reused = np.minimum(lengths * block_tokens, max(num_tokens - 1, 0))
+    prefill = (num_tokens - reused)[None, :] / col("prefill_tokens_per_s")[:, None]
+    best = np.argmin(load_cum + prefill, axis=1)
+    out = []
+    for h in range(rows):
+        b = int(best[h])
+        counts = np.bincount(tiers[h, :b], minlength=5)
+        out.append(
+            _PrefixCost(
+                load_s=float(load_cum[h, b]),
+                prefill_s=float(prefill[h, b]),
+                blocks={
+                    str(t): int(counts[TIER_CODES[t]]) for t in _TIER_ORDER if counts[TIER_CODES[t]]
+                },
+                held_blocks=int(np.count_nonzero(tiers[h] != PEER)),
+                reused_tokens=int(reused[b]),
+            )
+        )
+    return out
 
 
 def plan(
@@ -199,11 +240,20 @@ def plan(
         if t.size and (t.min() < HBM or t.max() > NVME):
             raise ValueError(f"{host}: tier codes must be HBM, DRAM or NVMe, got {sorted(set(t))}")
     longest = max((len(t) for t in own.values()), default=0)
-    costs = []
+    # Hosts with the same prefix and rates cost the same but for their queue:
+    # one row each (in a big fleet most hosts hold nothing of a session).
+    rows: dict[tuple[bytes, Rates], int] = {}
     for v in reachable:
-        tiers = np.full(longest, PEER, dtype=np.intp)  # beyond its own: fetched from a peer
-        tiers[: len(own[v.host])] = own[v.host]
-        costs.append(estimate(v, tiers, num_tokens, block_tokens, block_bytes, rates))
+        rows.setdefault((own[v.host].tobytes(), v.rates or rates), len(rows))
+    tiers = np.full((len(rows), longest), PEER, dtype=np.intp)  # beyond its own: a peer's
+    for (held, _), row in rows.items():
+        tiers[row, : len(held)] = np.frombuffer(held, dtype=np.uint8)
+    prefix = _prefix_costs(tiers, [r for _, r in rows], num_tokens, block_tokens, block_bytes)
+    costs = [
+        _host_cost(v, v.rates or rates, prefix[rows[own[v.host].tobytes(), v.rates or rates]],
+                   num_tokens)
+        for v in reachable
+    ]  # fmt: skip
     key = session or "-"
     costs.sort(key=lambda c: rendezvous_weight(key, c.host), reverse=True)  # last tie-break
     costs.sort(key=lambda c: (c.ttft_s, -c.reused_tokens))  # stable: ties keep that order
