@@ -11,11 +11,24 @@ Provides:
   to), else the host with the most free slots;
 - ``classify``: warm (>= 90% of the prompt reused), partly warm (30-90%),
   cold (< 30%), as in the public write-up;
-- ``simulate``: a discrete-event model of N hosts x 4 slots with the same
-  placement and replication policy (push after a turn of >= min_tokens to
+- ``RoutedPlacement``: the KV-aware router's placement
+  (``tierstore.router.cost.plan``) over what the simulated hosts hold and
+  their slots and queues: the turn goes to the host with the least
+  estimated TTFT, and the replica to the plan's spill host;
+- ``simulate``: a discrete-event model of N hosts x 4 slots with either
+  placement policy and one FIFO of waiting turns for the fleet
+  (``policy="affinity"``: the head of the FIFO takes its affinity host or
+  the spill; ``policy="router"``: each waiting turn, in FIFO order, starts
+  when the host with its least estimated TTFT has a free slot, so a turn may
+  wait for the host holding its prefix rather than go cold) and the same
+  replication (push after a turn of >= min_tokens to
   the spill host, only the blocks it lacks), each host's uplink a FIFO of its
   pushes at a given bandwidth plus a fixed per-push import cost (downlink
-  contention is not modelled).
+  contention is not modelled). Every turn's TTFT is its wait for a slot,
+  plus the load of the prefix its host holds, plus the prefill of the rest.
+  Simulated engines do not pull from peers on a switch (the public
+  experiment's did not), so the router's model is told peer fetches are
+  unusable.
 
 Everything here is pure (no processes, no sockets) and runs at scale 1:
 times in seconds and bytes as in the public experiment.
@@ -35,7 +48,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tierstore.loadboard import HostLoadView
 from tierstore.policies import rendezvous_target
+from tierstore.router.cost import DRAM, HostView, Plan, Rates, plan
 
 WARM_FRACTION = 0.9  # >= this share of the prompt reused: warm
 PARTLY_FRACTION = 0.3  # >= this (and < warm): partly warm; below: cold
@@ -137,6 +152,54 @@ def shares(outcomes: Sequence[str]) -> dict[str, Any]:
     }
 
 
+class RoutedPlacement:
+    """The router's decisions for the simulated fleet: ``tierstore.router``'s
+    cost model over what each host holds of the session (all in DRAM) and its
+    slots and queue. Candidates are the hosts holding any of the session plus
+    the least busy others (the rest can only tie with those); ``turn_s`` is
+    the running mean of slot occupancy, as an engine would measure it."""
+
+    def __init__(self, members: list[str], slots: int, wl: Workload, cfg: SimConfig) -> None:
+        self.members, self.slots, self.wl = members, slots, wl
+        self.block_bytes = wl.block_tokens * wl.bytes_per_token
+        self.rates = Rates(
+            prefill_tokens_per_s=wl.prefill_tokens_per_s,
+            dram_bytes_per_s=cfg.dram_load_bytes_per_s,
+            peer_bytes_per_s=1.0,  # no pulls on a switch in this simulation
+            turn_s=15.0,
+        )
+        self._busy_total, self._turns = 0.0, 0
+
+    def observe(self, busy_s: float) -> None:
+        self._busy_total += busy_s
+        self._turns += 1
+        if self._turns % 16 == 0:
+            self.rates = replace(self.rates, turn_s=self._busy_total / self._turns)
+
+    def plan(
+        self, name: str, prompt: int, current: str | None, held: dict[str, dict[str, int]],
+        busy: dict[str, int], queued: dict[str, int],
+    ) -> Plan:  # fmt: skip
+        blocks = prompt // self.wl.block_tokens
+        holders = [m for m in self.members if held[m].get(name, 0)]
+        others = sorted(
+            (m for m in self.members if not held[m].get(name, 0)),
+            key=lambda m: busy[m] + queued[m],
+        )[:3]
+        views = [
+            HostView(
+                m,
+                bytes([DRAM]) * min(held[m].get(name, 0), blocks),
+                HostLoadView(True, busy[m], self.slots, queued[m]),
+            )
+            for m in (*holders, *others)
+        ]
+        return plan(
+            views, blocks, prompt, self.wl.block_tokens, self.block_bytes, self.rates,
+            session=name, current_host=current or "",
+        )  # fmt: skip
+
+
 # -- the pure fleet simulation ------------------------------------------------------------
 
 
@@ -151,6 +214,8 @@ class SimConfig:
     push_deadline_s: float = 120.0  # pushes ending later than this after the turn: dropped
     min_tokens: int = 8192  # kv_share: turns shorter than this are not replicated
     replication: bool = True
+    policy: str = "affinity"  # affinity (with a spill) | router (least estimated TTFT)
+    dram_load_bytes_per_s: float = 10e9  # a held block's load into the engine (both policies)
     workload: Workload = field(default_factory=Workload)
 
 
@@ -168,13 +233,18 @@ class _Session:
 
 
 def simulate(cfg: SimConfig) -> dict[str, Any]:
-    """Run the fleet for ``cfg.duration_s`` and report switch warmth and replica traffic."""
+    """Run the fleet for ``cfg.duration_s`` and report switch warmth, TTFT,
+    load balance and replica traffic."""
+    if cfg.policy not in ("affinity", "router"):
+        raise ValueError(f"policy must be affinity or router, got {cfg.policy!r}")
     wl = cfg.workload
     block_bytes = wl.block_tokens * wl.bytes_per_token
     members = [f"host-{i:02d}" for i in range(cfg.hosts)]
     free = {m: cfg.slots_per_host for m in members}
     held: dict[str, dict[str, int]] = {m: {} for m in members}  # host -> conversation -> blocks
     up_free = dict.fromkeys(members, 0.0)
+    busy_s = dict.fromkeys(members, 0.0)  # slot-seconds served per host
+    router = RoutedPlacement(members, cfg.slots_per_host, wl, cfg)
     sessions = [_Session(i, wl.rng(i)) for i in range(cfg.sessions)]
     events: list[tuple[float, int, str, Any]] = []
     seq = 0
@@ -186,15 +256,17 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
 
     for s in sessions:
         push_event(s.rng.uniform(0, wl.think_mean_s), "arrive", s)
-    waiting: list[tuple[_Session, int]] = []
+    waiting: list[tuple[_Session, int, float]] = []  # (session, prompt, arrival): one FIFO
     outcomes: list[str] = []
     send_s: list[float] = []
+    ttft_s: list[float] = []
+    wait_s: list[float] = []
     reusable: list[str] = []  # the same classes, of what the last host had cached
     sent_bytes = 0
     turns = 0
     dropped = 0
 
-    def start(s: _Session, prompt: int, host: str, now: float) -> None:
+    def start(s: _Session, prompt: int, host: str, now: float, arrived: float) -> None:
         nonlocal turns
         turns += 1
         free[host] -= 1
@@ -203,17 +275,45 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             outcomes.append(classify(reuse / prompt))
             cached = s.context // wl.block_tokens * wl.block_tokens
             reusable.append(classify(reuse / cached if cached else 1.0))
-        busy = wl.prefill_s(prompt - reuse) + wl.decode(s.rng)
+        load = reuse // wl.block_tokens * block_bytes / cfg.dram_load_bytes_per_s
+        first_token = load + wl.prefill_s(prompt - reuse)
+        ttft_s.append(now - arrived + first_token)
+        wait_s.append(now - arrived)
+        busy = first_token + wl.decode(s.rng)
+        busy_s[host] += busy
+        router.observe(busy)
         push_event(now + busy, "end", (s, prompt, host))
 
     def place_waiting(now: float) -> None:
+        if cfg.policy == "router":
+            return route_waiting(now)
         while waiting:
-            s, prompt = waiting[0]
+            s, prompt, arrived = waiting[0]
             host = choose_host(s.name, s.last_host, free, members)
             if host is None:
                 return
             waiting.pop(0)
-            start(s, prompt, host, now)
+            start(s, prompt, host, now, arrived)
+
+    def fleet_load() -> tuple[dict[str, int], dict[str, int]]:
+        return {m: cfg.slots_per_host - free[m] for m in members}, dict.fromkeys(members, 0)
+
+    def route_waiting(now: float) -> None:
+        i = 0
+        while i < len(waiting) and any(free.values()):
+            s, prompt, arrived = waiting[i]
+            best = router.plan(s.name, prompt, s.last_host, held, *fleet_load()).best
+            assert best is not None
+            if free[best.host] > 0:
+                waiting.pop(i)
+                start(s, prompt, best.host, now, arrived)
+            else:
+                i += 1  # waiting for that host beats starting elsewhere
+
+    def spill_target(s: _Session, host: str) -> str | None:
+        if cfg.policy == "affinity":
+            return rendezvous_target(s.name, members, exclude=host)
+        return router.plan(s.name, s.context, host, held, *fleet_load()).spill_host or None
 
     while events:
         now, _, kind, data = heapq.heappop(events)
@@ -222,7 +322,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         if kind == "arrive":
             s = data
             prompt = s.context + wl.new_input(s.rng) if s.context else wl.first_prompt(s.rng)
-            waiting.append((s, prompt))
+            waiting.append((s, prompt, now))
             place_waiting(now)
         elif kind == "end":
             s, prompt, host = data
@@ -231,7 +331,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             s.last_host = host
             blocks = s.context // wl.block_tokens
             held[host][s.name] = max(held[host].get(s.name, 0), blocks)
-            target = rendezvous_target(s.name, members, exclude=host)
+            target = spill_target(s, host)
             if cfg.replication and target is not None and s.context >= cfg.min_tokens:
                 missing = blocks - held[target].get(s.name, 0)
                 if missing > 0:
@@ -255,14 +355,21 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             held[target][name] = max(held[target].get(name, 0), blocks)
             sent_bytes += nbytes
     per_host_mbps = sent_bytes * 8 / cfg.duration_s / 1e6 / cfg.hosts
+    loads = list(busy_s.values())
     return {
         "hosts": cfg.hosts,
         "sessions": cfg.sessions,
         "link_gbps": cfg.link_bits_per_s / 1e9,
         "replication": cfg.replication,
+        "policy": cfg.policy,
         "turns": turns,
         **shares(outcomes),
         **{f"{k}_of_cached": v for k, v in shares(reusable).items() if k != "switches"},
+        "ttft_mean_s": statistics.fmean(ttft_s) if ttft_s else None,
+        "ttft_p90_s": percentile(ttft_s, 90),
+        "wait_mean_s": statistics.fmean(wait_s) if wait_s else None,
+        # Load balance: the busiest host's slot-seconds over the mean host's.
+        "busy_max_over_mean": max(loads) / statistics.fmean(loads) if any(loads) else None,
         "pushes_dropped": dropped,
         "send_p50_s": percentile(send_s, 50),
         "send_p90_s": percentile(send_s, 90),
@@ -278,13 +385,26 @@ def fleet_sweep(
     links_gbps: Sequence[float] = (1.0, 10.0),
     seeds: Sequence[int] = (1, 2, 3),
     base: SimConfig | None = None,
+    router_hosts: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
-    """Mean over ``seeds`` of ``simulate`` for every combination, plus replication off."""
+    """Mean over ``seeds`` of ``simulate`` for every combination, plus
+    replication off; with affinity placement, and also with the router for
+    the fleet sizes in ``router_hosts`` (at the first link speed)."""
     base = base or SimConfig()
     rows = []
-    combos = [(h, sph, g, True) for h in hosts for sph in sessions_per_host for g in links_gbps]
-    combos += [(h, sph, links_gbps[0], False) for h in hosts for sph in sessions_per_host]
-    for h, sph, gbps, repl in combos:
+    combos = [
+        (h, sph, g, True, "affinity")
+        for h in hosts
+        for sph in sessions_per_host
+        for g in links_gbps
+    ]
+    combos += [
+        (h, sph, links_gbps[0], False, "affinity") for h in hosts for sph in sessions_per_host
+    ]
+    combos += [
+        (h, sph, links_gbps[0], True, "router") for h in router_hosts for sph in sessions_per_host
+    ]
+    for h, sph, gbps, repl, policy in combos:
         runs = [
             simulate(
                 replace(
@@ -293,6 +413,7 @@ def fleet_sweep(
                     sessions=sph * h,
                     link_bits_per_s=gbps * 1e9,
                     replication=repl,
+                    policy=policy,
                     workload=replace(base.workload, seed=seed),
                 )
             )
@@ -308,6 +429,10 @@ def fleet_sweep(
             "warm_of_cached",
             "partly_warm_of_cached",
             "cold_of_cached",
+            "ttft_mean_s",
+            "ttft_p90_s",
+            "wait_mean_s",
+            "busy_max_over_mean",
             "send_p50_s",
             "send_p90_s",
             "replica_mbps_per_host",

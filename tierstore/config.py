@@ -207,7 +207,7 @@ class RouterConfig:
     nvme_load_bytes_per_s: float = 2e9  # NVMe read + verify, unless a host measured it
     peer_load_bytes_per_s: float = 1.25e9  # fetch from another host, unless measured
     turn_s: float = 10.0  # mean time a request holds a slot (queue wait estimate)
-    spill_tie_s: float = 0.5  # queue waits this close count as equal for the spill host
+    spill_tie_s: float = 5.0  # queue waits this close count as equal for the spill host
 
     def __post_init__(self) -> None:
         if not 0 < self.router_port < 65536:

@@ -223,7 +223,7 @@ def test_replicas_follow_the_routers_spill_choice(fleet: Fleet) -> None:
     router = Router(fleet.config(), PEER_CFG)
     try:
         # Host 1 is busy: the spill host must be host 2 whatever rendezvous says.
-        fleet.clients[1].report_load(4, 4, 6)
+        fleet.clients[1].report_load(4, 4, 20)
         p = router.route(L, keys, len(tokens), session="sess-r", current_host=fleet.hosts[0])
         assert p.spill_host == fleet.hosts[2]
         reply = fleet.clients[0].end_turn(

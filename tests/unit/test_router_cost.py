@@ -142,6 +142,15 @@ def test_unreachable_hosts_come_last_and_ties_are_stable() -> None:
     assert len(others) > 1  # sessions spread over equal hosts
 
 
+def test_a_session_stays_on_its_host_when_another_is_as_good() -> None:
+    views = [HostView(h, bytes([DRAM] * 6)) for h in ("h1", "h2", "h3")]
+    for current in ("h1", "h2", "h3"):
+        assert (
+            plan(views, 6, 100, BT, BB, R, session="s", current_host=current).ranked[0].host
+            == current
+        )
+
+
 def test_spill_host_is_the_least_busy_other_host() -> None:
     costs = [
         HostCost("home", 0.1, queue_s=0.0, held_blocks=9),

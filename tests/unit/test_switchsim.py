@@ -70,3 +70,32 @@ def test_a_faster_link_sends_faster() -> None:
     slow = simulate(SimConfig(duration_s=1800, link_bits_per_s=1e9))
     fast = simulate(SimConfig(duration_s=1800, link_bits_per_s=1e10))
     assert fast["send_p50_s"] < slow["send_p50_s"]
+
+
+def test_router_policy_runs_the_same_workload_and_is_deterministic() -> None:
+    cfg = SimConfig(hosts=4, sessions=40, duration_s=1200, policy="router")
+    routed = simulate(cfg)
+    assert simulate(cfg) == routed
+    affinity = simulate(replace(cfg, policy="affinity"))
+    assert routed["policy"] == "router" and affinity["policy"] == "affinity"
+    for r in (routed, affinity):
+        assert r["turns"] > 100 and r["ttft_mean_s"] > 0 and r["busy_max_over_mean"] >= 1.0
+        assert r["ttft_p90_s"] >= r["ttft_mean_s"] * 0.5
+    with pytest.raises(ValueError, match="policy"):
+        simulate(replace(cfg, policy="random"))
+
+
+def test_the_router_waits_for_the_host_holding_a_long_prefix() -> None:
+    """The placement's own decision: a session whose home is full but holds
+    50k tokens waits a slot there (2.5 s) instead of prefilling 6 s elsewhere."""
+    from switchsim import RoutedPlacement
+
+    members = ["h0", "h1"]
+    wl = Workload()
+    placement = RoutedPlacement(members, 4, wl, SimConfig(policy="router"))
+    held = {"h0": {"s": 50_000 // wl.block_tokens}, "h1": {}}
+    full_home = placement.plan("s", 50_500, "h0", held, {"h0": 4, "h1": 0}, {"h0": 0, "h1": 0})
+    assert full_home.best is not None and full_home.best.host == "h0"
+    short = {"h0": {"s": 2000 // wl.block_tokens}, "h1": {}}
+    moved = placement.plan("s", 2500, "h0", short, {"h0": 4, "h1": 0}, {"h0": 0, "h1": 0})
+    assert moved.best is not None and moved.best.host == "h1"  # 0.3 s of prefill < the wait

@@ -223,14 +223,15 @@ def plan(
     *,
     session: str = "",
     current_host: str = "",
-    spill_tie_s: float = 0.5,
+    spill_tie_s: float = 5.0,
 ) -> Plan:
     """Rank the candidates by estimated TTFT and choose the spill host.
 
     A host may fetch from any other reachable candidate the blocks beyond its
     own prefix (up to the longest prefix any of them holds). Ties go to the
-    host holding more, then to the session's rendezvous order, so the choice
-    is stable. ``num_blocks`` is the request's full blocks (``num_tokens //
+    host reusing more, then to ``current_host`` (a session does not move for
+    nothing), then to the session's rendezvous order, so the choice is
+    stable. ``num_blocks`` is the request's full blocks (``num_tokens //
     block_tokens``); views longer than that are cut."""
     if num_tokens < 0 or num_blocks < 0 or num_blocks * block_tokens > num_tokens:
         raise ValueError(f"{num_blocks} blocks of {block_tokens} tokens exceed {num_tokens} tokens")
@@ -256,7 +257,7 @@ def plan(
     ]  # fmt: skip
     key = session or "-"
     costs.sort(key=lambda c: rendezvous_weight(key, c.host), reverse=True)  # last tie-break
-    costs.sort(key=lambda c: (c.ttft_s, -c.reused_tokens))  # stable: ties keep that order
+    costs.sort(key=lambda c: (c.ttft_s, -c.reused_tokens, c.host != current_host))  # stable
     down = [
         HostCost(host=v.host, ttft_s=math.inf, reachable=False, error=v.error, source=v.source)
         for v in views
