@@ -32,3 +32,15 @@ def host_load_proto(view: HostLoadView) -> common_pb2.HostLoad:
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.Layout:
     return common_pb2.Layout(**layout.to_dict())
+
+
+def load_from_proto(m: common_pb2.HostLoad) -> HostLoadView:
+    return HostLoadView(
+        reported=m.reported,
+        busy_slots=m.busy_slots,
+        slots=m.slots,
+        queue_len=m.queue_len,
+        wait_s=m.wait_s,
+        prefill_tokens_per_s=m.prefill_tokens_per_s,
+        age_s=m.age_s,
+    )

@@ -23,6 +23,7 @@ from typing import NoReturn
 from tierstore.keys import KEY_BYTES, BlockKey
 from tierstore.loadboard import HostLoadView
 from tierstore.v1 import common_pb2, peer_pb2
+from tierstore.wire import load_from_proto
 
 _BITS = {common_pb2.TIER_HBM: 1, common_pb2.TIER_DRAM: 2, common_pb2.TIER_NVME: 4}
 # The best tier a key is held in, from its bits (HBM over DRAM over NVMe).
@@ -145,15 +146,3 @@ def _load(msg: peer_pb2.BlockEvents) -> HostLoadView | None:
     if not msg.HasField("load"):
         return None
     return load_from_proto(msg.load)
-
-
-def load_from_proto(m: common_pb2.HostLoad) -> HostLoadView:
-    return HostLoadView(
-        reported=m.reported,
-        busy_slots=m.busy_slots,
-        slots=m.slots,
-        queue_len=m.queue_len,
-        wait_s=m.wait_s,
-        prefill_tokens_per_s=m.prefill_tokens_per_s,
-        age_s=m.age_s,
-    )

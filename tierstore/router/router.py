@@ -24,7 +24,8 @@ from tierstore.loadboard import HostLoadView
 from tierstore.peer.tier import PeerClient
 from tierstore.router.cost import HostView, Plan, Rates, plan
 from tierstore.router.feeder import IndexFeeder
-from tierstore.router.index import FleetIndex, load_from_proto
+from tierstore.router.index import FleetIndex
+from tierstore.wire import load_from_proto
 
 
 def rates_from_config(cfg: RouterConfig) -> Rates:

@@ -23,10 +23,9 @@ from tierstore.errors import TierstoreError
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, chain_keys
 from tierstore.peer.service import TokenAuth
 from tierstore.router.cost import HostCost, Plan
-from tierstore.router.index import load_from_proto
 from tierstore.router.router import Router
 from tierstore.v1 import router_pb2, router_pb2_grpc
-from tierstore.wire import host_load_proto, layout_from_proto
+from tierstore.wire import host_load_proto, layout_from_proto, load_from_proto
 
 log = logging.getLogger(__name__)
 
