@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import random
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -287,5 +288,52 @@ def test_service_and_cli_rank_like_the_router(fleet: Fleet, tmp_path: Path) -> N
         text = out.getvalue()
         assert "TTFT = queue" in text and "4/4+9" in text
         assert f"best host {fleet.hosts[2]}" not in text  # its queue now costs more
+    finally:
+        server.stop()
+
+
+def test_the_router_service_survives_hostile_requests(fleet: Fleet) -> None:
+    rng = random.Random(11)
+    port = free_port()
+    server = RouterServer(Config(peer=PEER_CFG, router=fleet.config(router_port=port)))
+    meta = (("authorization", f"Bearer {TOKEN}"),)
+    codes: dict[str, int] = {}
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            raw = channel.unary_unary("/tierstore.v1.RouterService/Route")
+            for case in range(300):
+                try:
+                    if case % 5 == 0:
+                        raw(rng.randbytes(rng.randrange(0, 200)), timeout=10, metadata=meta)
+                    else:
+                        req = router_pb2.RouteRequest(
+                            keys=rng.randbytes(rng.choice([0, 31, 32, 64, 3200])),
+                            num_tokens=rng.choice([0, 1, 7, 1 << 40]),
+                            hosts=rng.sample([*fleet.hosts, "1.2.3.4:5", "x"], rng.randrange(0, 3)),
+                            session=rng.choice(["", "s", "z" * 1000]),
+                            current_host=rng.choice(["", fleet.hosts[0], "nope"]),
+                        )
+                        if rng.random() < 0.8:
+                            req.layout.CopyFrom(layout_to_proto(L))
+                            req.layout.block_tokens = rng.choice([0, 8, 8, 1 << 31])
+                        if rng.random() < 0.3:
+                            req.token_ids.extend(rng.randrange(-5, 1 << 40) for _ in range(40))
+                        h = rng.choice(fleet.hosts)
+                        req.loads[h].busy_slots = rng.randrange(0, 1 << 31)
+                        req.loads[h].slots = rng.randrange(0, 8)
+                        req.loads[h].reported = True
+                        stub.Route(req, timeout=10, metadata=meta)
+                    codes["OK"] = codes.get("OK", 0) + 1
+                except grpc.RpcError as e:
+                    codes[e.code().name] = codes.get(e.code().name, 0) + 1
+                    unparsable = case % 5 == 0 and "deserializ" in (e.details() or "")
+                    assert unparsable or e.code() not in (
+                        grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                    ), e.details()  # fmt: skip
+            tokens = prompt(7)
+            good = router_pb2.RouteRequest(layout=layout_to_proto(L), token_ids=tokens.tolist())
+            assert stub.Route(good, timeout=10, metadata=meta).num_blocks == N  # still serving
+        assert codes.get("INVALID_ARGUMENT", 0) > 50 and codes.get("OK", 0) > 10, codes
     finally:
         server.stop()

@@ -120,6 +120,14 @@ def test_out_of_order_or_malformed_streams_resync(msg: peer_pb2.BlockEvents, why
     assert idx.cursor("h") == (0, 0)
 
 
+def test_a_host_over_the_key_bound_is_dropped() -> None:
+    idx = FleetIndex(stale_s=5.0, max_keys_per_host=4)
+    idx.apply("h", ev(peer_pb2.BLOCK_OP_RESET), 0.0)
+    with pytest.raises(GapError, match="more than 4 keys"):
+        idx.apply("h", ev(peer_pb2.BLOCK_OP_SNAPSHOT, keys=K[:5]), 0.0)
+    assert idx.num_keys("h") == 0
+
+
 def test_batches_before_the_snapshot_ended_are_a_gap() -> None:
     idx = FleetIndex(stale_s=5.0)
     idx.apply("h", ev(peer_pb2.BLOCK_OP_RESET), 0.0)

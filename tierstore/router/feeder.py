@@ -74,7 +74,9 @@ class IndexFeeder:
             except GapError as e:
                 self._count("gaps")
                 log.info("resynchronising %s: %s", host, e)
-                backoff = 0.0  # at once: the next stream starts with a snapshot
+                # Soon, not at once: a stream that breaks every time must not
+                # become a loop of snapshots.
+                backoff = BACKOFF_MIN_S
             except grpc.RpcError as e:
                 if not self._stop.is_set():
                     self._count("stream_errors")

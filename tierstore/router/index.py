@@ -45,8 +45,9 @@ class HostState:
 
 
 class FleetIndex:
-    def __init__(self, stale_s: float) -> None:
+    def __init__(self, stale_s: float, max_keys_per_host: int = 1 << 23) -> None:
         self.stale_s = stale_s
+        self.max_keys_per_host = max_keys_per_host  # bounds the router's memory per host
         self._hosts: dict[str, HostState] = {}
         self._lock = threading.Lock()
         self.resyncs = 0
@@ -99,6 +100,8 @@ class FleetIndex:
                 held[key] = bits
             else:
                 held.pop(key, None)
+        if len(held) > self.max_keys_per_host:
+            self._broken(host, f"holds more than {self.max_keys_per_host} keys")
 
     def cursor(self, host: str) -> tuple[int, int]:
         """(epoch, seq) to resume ``host``'s stream from; (0, 0) when not synced."""

@@ -78,7 +78,10 @@ def parse_request(request: router_pb2.RouteRequest) -> tuple[KVLayout, list[Bloc
                 f"num_tokens {request.num_tokens} differs from {len(request.token_ids)} token ids"
             )
         tokens = np.asarray(request.token_ids, dtype=np.int64)
-        return layout, chain_keys(layout, tokens), len(tokens)
+        keys = chain_keys(layout, tokens)
+        if len(keys) > MAX_ROUTE_KEYS:
+            raise ValueError(f"{len(keys)} blocks; at most {MAX_ROUTE_KEYS} per request")
+        return layout, keys, len(tokens)
     raw = request.keys
     if len(raw) % KEY_BYTES or len(raw) // KEY_BYTES > MAX_ROUTE_KEYS:
         raise ValueError(f"keys must be a multiple of {KEY_BYTES} bytes, at most {MAX_ROUTE_KEYS}")
