@@ -1,42 +1,55 @@
 """Two hosts, shaped links, session switches: the public kv_share experiment, scaled.
 
-    sudo python bench/switch.py --json [--quick] [--scale 1/64] [--duration 60]
+    sudo python bench/switch.py --json [--quick] [--scale 1/32] [--duration 60]
+    sudo python bench/switch.py --json --runs 1gbit:16:on,1gbit:16:off
     python bench/switch.py --simulate --json        # pure fleet simulation, 2-64 hosts
 
 Real mode (needs root): two Linux network namespaces ("hosts") joined by a
 veth pair (10.200.0.1 and 10.200.0.2), shaped with ``tc tbf`` to 1 Gbit/s,
 10 Gbit/s, or unshaped; one ``tierstore serve`` per namespace with its peer
-port on the namespace address. This process stays in the root namespace and
-is the engine of both hosts: 2 x 4 slots, agent-like sessions
+port on the namespace address, DRAM and NVMe tiers sized with the scale.
+This process stays in the root namespace and is the engine of both hosts:
+2 x 4 slots (each with its own preallocated KV buffer), agent-like sessions
 (``switchsim.Workload``) placed with affinity and a spill
 (``switchsim.choose_host``). The engine is simulated (a turn holds a slot for
 prefill of the uncached tokens plus a decode time, slept at scale), but every
 KV byte goes through the sidecars: at each turn the serving host's client
 looks up the prompt's keys locally (``include_peers=False``: warmth is what
-the serving host holds), on a host switch loads that prefix (the engine's
-import), stores the uncached blocks and the output's, and calls
-``end_turn(..., wait=True)`` on a background thread, which triggers the
-replica push (kv_share) to the other host and returns when it is imported.
+the serving host holds), on a host switch loads that prefix into the slot's
+buffer (the engine's import), stores the uncached blocks and the output's,
+and calls ``end_turn(..., wait=True)`` on a background thread, which triggers
+the replica push (kv_share) to the other host and returns when it is imported.
 
-Scale ``s``: times and bytes are both multiplied by ``s`` (default 1/64), so
+Scale ``s``: times and bytes are both multiplied by ``s`` (default 1/32), so
 link utilisation in Mb/s and the ratio of transfer time to think time are as
-at scale 1. Per run: warm / partly warm / cold shares of host switches,
-send time (``end_turn`` wall time with wait: queue + Replicate call) and
-import time (the receiver's ``ReplicateReply.import_s``: from the Replicate
-call until the delta is verified and resident in its DRAM), each also as a
-``*_scale1_equiv`` (divided by ``s``: exact for byte-bound work, pessimistic
-for per-call overheads), the engine's import at a switch (``load`` of the
-reused prefix), bytes per direction (sidecar counters and veth counters),
-mean link utilisation. A baseline run has replication off.
+at scale 1; per-call CPU costs are not, so a smaller ``s`` loads the CPU more
+(see docs/switch.md). Per run: warm / partly warm / cold shares of host
+switches, and the same against what the last turn left (``*_of_cached``);
+send time (``end_turn`` wall time with wait: queue + Replicate call); the
+receiver's part of it (``receive``: Replicate call until the delta is
+resident, the wire included) and ``receive_beyond_wire`` (that minus the
+delta's bytes at the link rate); the import as in the public write-up
+(``import``: the serving engine's load of the reused prefix at a switch)
+next to memcpy of the same bytes measured in the same run; each time also
+as ``*_scale1_equiv`` (divided by ``s``: exact for byte-bound work,
+pessimistic for per-call overheads); bytes per direction (sidecar and veth
+counters), mean link utilisation. Diagnostics: every switch with what the
+target held at the lookup against what the last turn left and the first
+reason it held less (``switch_log``, ``switch_causes``), pushes not finished
+when the session's next turn began, the sidecars' eviction and replica
+counters, and CPU use. A baseline run has replication off.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import glob
 import json
+import multiprocessing
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -44,8 +57,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +71,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from common import wait_for_socket  # noqa: E402
+from common import memcpy_gbps, wait_for_socket  # noqa: E402
+from switchdiag import PushRecord, switch_cause  # noqa: E402
 from switchsim import (  # noqa: E402
     PUBLIC_DELTA_BYTES,
     SimConfig,
@@ -78,7 +94,13 @@ PEER_PORT = 7700
 TOKEN = "bench-switch-token"
 SLOTS_PER_HOST = 4
 MIN_TOKENS = 8192
-DRAM_BYTES = 2 << 30  # per sidecar: every live conversation and its replica fit
+# Per sidecar at scale 1, multiplied by the scale like every byte (4 GiB and
+# 16 GiB at 1/32): DRAM holds every live conversation and its replica; NVMe
+# holds what DRAM evicts over a whole run (the public hosts kept replicas on
+# disk), so no live block is lost for room.
+DRAM_BYTES_SCALE1 = 128 << 30
+NVME_BYTES_SCALE1 = 512 << 30
+REPLICA_BYTES_SCALE1 = 256 << 30  # replica budget: never the limit in these runs
 LINKS = {"1gbit": ("1gbit", "256kb"), "10gbit": ("10gbit", "2mb"), "unshaped": None}
 LINK_BPS = {"1gbit": 1e9, "10gbit": 1e10, "unshaped": None}
 PUBLIC = {  # the write-up's 16-session runs
@@ -139,16 +161,27 @@ def _sh(*cmd: str) -> str:
 
 
 class Sidecar:
-    def __init__(self, root: Path, ns: str, addr: str, peer: str, min_tokens: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        ns: str,
+        addr: str,
+        peer: str,
+        min_tokens: int,
+        dram_bytes: int,
+        nvme_bytes: int,
+        replica_bytes: int,
+    ) -> None:
         root.mkdir(parents=True)
         self.root, self.socket = root, root / "s.sock"
         cmd = [
             "ip", "netns", "exec", ns, sys.executable, "-m", "tierstore.cli", "serve",
             "--socket", str(self.socket), "--nvme-dir", str(root / "nvme"),
-            "--dram-bytes", str(DRAM_BYTES), "--nvme-bytes", "0", "--metrics-port", "0",
+            "--dram-bytes", str(dram_bytes), "--nvme-bytes", str(nvme_bytes), "--metrics-port", "0",
             "--set", f"peer_host={addr}", "--set", f"peer_port={PEER_PORT}",
             "--set", f"peers={peer}:{PEER_PORT}", "--set", f"peer_token={TOKEN}",
             "--set", f"min_tokens={min_tokens}", "--set", "compression=none",
+            "--set", f"replica_bytes={replica_bytes}",
             "--set", "log_level=warning", "--set", "shutdown_grace_s=1",
         ]  # fmt: skip
         env = dict(os.environ)
@@ -188,6 +221,66 @@ def _on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+# -- the engines' imports -------------------------------------------------------------------
+
+
+def _engine_main(socket_path: str, layout: KVLayout, slot_blocks: int, conns: list[Any]) -> None:
+    """A host's engine process: one preallocated, touched KV buffer per slot
+    (like an engine's cache pool) and one thread per slot that loads the keys
+    it is sent into that buffer and answers (blocks, seconds)."""
+    client = StoreClient(socket_path, name="engine-import")
+
+    def serve(conn: Any) -> None:
+        buf = torch.from_numpy(np.ones((slot_blocks, layout.block_bytes), dtype=np.uint8))
+        conn.send("ready")
+        while (keys := conn.recv()) is not None:
+            t0 = time.perf_counter()
+            got = client.load(layout, keys, out=buf[: len(keys)]).num_blocks
+            conn.send((got, time.perf_counter() - t0))
+
+    threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    client.close()
+
+
+class EngineImports:
+    """The import side of one host's engine, in its own process. In the
+    driver, 16 session threads share one interpreter lock, and a load
+    (one copy per run of adjacent arena slots, each giving the lock up and
+    waiting for it again) ran 10-100x slower than memcpy; an engine process
+    per host does not share its lock with the other host and the sessions."""
+
+    def __init__(self, socket_path: str, layout: KVLayout, slot_blocks: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        pairs = [ctx.Pipe() for _ in range(SLOTS_PER_HOST)]
+        self.conns = [a for a, _ in pairs]
+        self.proc = ctx.Process(
+            target=_engine_main,
+            args=(socket_path, layout, slot_blocks, [b for _, b in pairs]),
+            daemon=True,
+        )
+        self.proc.start()
+        for _, b in pairs:
+            b.close()
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        for c in self.conns:
+            if not c.poll(timeout_s) or c.recv() != "ready":
+                raise RuntimeError("an engine import process did not start")
+
+    def close(self) -> None:
+        for c in self.conns:
+            with contextlib.suppress(OSError):
+                c.send(None)
+        self.proc.join(timeout=20)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
 # -- one run ----------------------------------------------------------------------------------
 
 
@@ -204,11 +297,17 @@ def scaled_layout(scale: Fraction, wl: Workload) -> KVLayout:
 @dataclass
 class RunStats:
     outcomes: list[str] = field(default_factory=list)
+    switch_log: list[dict[str, Any]] = field(default_factory=list)
+    pushes_unfinished_at_next_turn: int = 0
+    push_slack_s: list[float] = field(default_factory=list)  # next turn start - push end
+    slot_excess_s: list[float] = field(default_factory=list)  # slot held beyond the model
     cached_outcomes: list[str] = field(default_factory=list)
     reuse: list[float] = field(default_factory=list)
     engine_import_s: list[float] = field(default_factory=list)
+    engine_import_bytes: list[int] = field(default_factory=list)
     send_s: list[float] = field(default_factory=list)
     import_s: list[float] = field(default_factory=list)
+    push_bytes: list[int] = field(default_factory=list)
     pushed_blocks: int = 0
     pushes: int = 0
     turns: int = 0
@@ -227,8 +326,11 @@ class Driver:
         scale: float,
         sessions: int,
         duration_s: float,
+        min_tokens: int,
+        engines: dict[str, EngineImports],
     ) -> None:
         self.clients, self.layout, self.wl = clients, layout, wl
+        self.min_tokens = min_tokens  # kv_share's rule (also when replication is off)
         self.scale, self.sessions, self.duration_s = scale, sessions, duration_s
         self.members = list(clients)
         self.free = dict.fromkeys(self.members, SLOTS_PER_HOST)
@@ -236,15 +338,19 @@ class Driver:
         self.queue: list[int] = []
         self.stats = RunStats()
         self.pushers: list[threading.Thread] = []
+        self.last_push: dict[str, PushRecord] = {}  # session name -> its last push
+        self.t0 = 0.0
         max_blocks = wl.max_context_tokens // wl.block_tokens + 64
         gen = np.random.default_rng(0)
         self.data = torch.from_numpy(
             gen.integers(0, 256, size=(max_blocks, layout.block_bytes), dtype=np.uint8)
         )
+        self.slot_conns = {m: list(e.conns) for m, e in engines.items()}
         self.stop_at = 0.0
 
     def run(self) -> RunStats:
-        self.stop_at = time.monotonic() + self.duration_s
+        self.t0 = time.monotonic()
+        self.stop_at = self.t0 + self.duration_s
         threads = [
             threading.Thread(target=self._session, args=(i,), name=f"session-{i}", daemon=True)
             for i in range(self.sessions)
@@ -297,12 +403,16 @@ class Driver:
             host = self._take_slot(index, name, last)
             if host is None:
                 return
+            with self.cond:
+                slot = self.slot_conns[host].pop()
             try:
-                context = self._turn(index, name, conversation, prompt, host, last, rng)
+                context = self._turn(index, name, conversation, prompt, host, last, rng, slot)
             except Exception as e:
                 self.stats.errors.append(f"{name} on {host}: {e!r}")
                 context = prompt
             finally:
+                with self.cond:
+                    self.slot_conns[host].append(slot)
                 self._give_slot(host)
             last = host
             if context >= wl.max_context_tokens:
@@ -311,7 +421,15 @@ class Driver:
                 return
 
     def _turn(
-        self, index: int, name: str, conv: int, prompt: int, host: str, last: str | None, rng: Any
+        self,
+        index: int,
+        name: str,
+        conv: int,
+        prompt: int,
+        host: str,
+        last: str | None,
+        rng: Any,
+        slot: Connection,
     ) -> int:
         wl, layout, client = self.wl, self.layout, self.clients[host]
         started = time.monotonic()
@@ -320,13 +438,24 @@ class Driver:
         hits = client.lookup(layout, keys, include_peers=False).num_hits
         reused = hits * wl.block_tokens
         self.stats.turns += 1
+        record = self.last_push.get(name)
+        if record is not None and record.replicating is not False:
+            if record.finished is None:
+                self.stats.pushes_unfinished_at_next_turn += 1
+            else:
+                self.stats.push_slack_s.append(started - record.finished)
         if last is not None and host != last:
             self.stats.outcomes.append(classify(reused / prompt))
             self.stats.reuse.append(reused / prompt)
-            t0 = time.perf_counter()
+            self.stats.switch_log.append(
+                self._explain_switch(name, prompt, len(keys), hits, record, started)
+            )
             if hits:
-                client.load(layout, keys[:hits])  # the engine imports what its host holds
-                self.stats.engine_import_s.append(time.perf_counter() - t0)
+                # The engine imports what its host holds into its slot's memory.
+                slot.send(keys[:hits])
+                loaded, load_s = slot.recv()
+                self.stats.engine_import_s.append(load_s)
+                self.stats.engine_import_bytes.append(loaded * layout.block_bytes)
         elif last is not None and hits < len(keys) - wl.input_max_tokens // wl.block_tokens - 1:
             self.stats.same_host_misses += 1
         new = len(keys) - hits
@@ -334,43 +463,99 @@ class Driver:
             client.store(layout, keys[hits:], self.data[:new])  # prefill
         decode_s = wl.decode(rng)
         context = prompt + wl.output(rng)
-        self._sleep_until(started + (wl.prefill_s(prompt - reused) + decode_s) * self.scale)
+        hold_until = started + (wl.prefill_s(prompt - reused) + decode_s) * self.scale
+        self._sleep_until(hold_until)
         all_keys = chain_keys(layout, np.arange(base, base + context, dtype=np.int64))
         out = len(all_keys) - len(keys)
         if out:
             client.store(layout, all_keys[len(keys) :], self.data[:out])
         if len(all_keys) > len(keys) and all_keys[len(keys) - 1] != keys[-1]:
             raise RuntimeError("chain keys of the prompt changed with the output")
+        self.stats.slot_excess_s.append(max(0.0, time.monotonic() - hold_until))
+        record = PushRecord(len(all_keys), context, time.monotonic())
+        self.last_push[name] = record
         pusher = threading.Thread(
-            target=self._push, args=(client, name, all_keys, context), daemon=True
+            target=self._push, args=(client, name, all_keys, context, record), daemon=True
         )
         self.pushers.append(pusher)
         pusher.start()
         return context
 
-    def _push(self, client: StoreClient, name: str, keys: list[Any], tokens: int) -> None:
+    def _push(
+        self, client: StoreClient, name: str, keys: list[Any], tokens: int, record: PushRecord
+    ) -> None:
         t0 = time.perf_counter()
         try:
             reply = client.end_turn(name, self.layout, keys, tokens, wait=True)
         except Exception as e:
+            record.error, record.finished = True, time.monotonic()
             self.stats.errors.append(f"end_turn {name}: {e!r}")
             return
         wall = time.perf_counter() - t0
+        record.pushed = reply.pushed
+        record.replicating = reply.replicating
+        record.finished = time.monotonic()  # before the check below: it is not the push
+        target = self.clients.get(reply.replica_target)
+        if reply.replicating and target is not None:
+            # What the target holds right after the push (before it can be
+            # evicted): tells a partial push from a later eviction.
+            record.target_held = target.lookup(self.layout, keys, include_peers=False).num_hits
         if reply.replicating and reply.pushed:
             self.stats.pushes += 1
             self.stats.pushed_blocks += reply.pushed
             self.stats.send_s.append(wall)
             self.stats.import_s.append(reply.push_s)
+            self.stats.push_bytes.append(reply.pushed * self.layout.block_bytes)
+
+    def _explain_switch(
+        self,
+        name: str,
+        prompt: int,
+        prompt_blocks: int,
+        hits: int,
+        record: PushRecord | None,
+        started: float,
+    ) -> dict[str, Any]:
+        """One host switch: what the target held at the lookup against what
+        the last turn left, and the first reason it held less."""
+        ideal = min(record.blocks, prompt_blocks) if record is not None else 0
+        cause = switch_cause(
+            record, hits, prompt, prompt_blocks, started, self.wl.block_tokens, self.min_tokens
+        )
+        return {
+            "t_s": round(started - self.t0, 3),
+            "session": name,
+            "prompt_blocks": prompt_blocks,
+            "last_turn_blocks": ideal,
+            "held_before_lookup": hits,
+            "target_held_after_push": None if record is None else record.target_held,
+            "push_started_before_s": None if record is None else round(started - record.started, 3),
+            "push_done_before_s": None
+            if record is None or record.finished is None
+            else round(started - record.finished, 3),
+            "class": classify(hits * self.wl.block_tokens / prompt),
+            # Warmth against what the last turn left (the store's share; the
+            # simulation's *_of_cached): the prompt's new input not counted.
+            "class_of_cached": classify(hits / ideal) if ideal else "warm",
+            "cause": cause,
+        }
 
 
 def real_run(
-    link: str, sessions: int, replication: bool, scale: Fraction, duration_s: float, tmp: Path
+    link: str,
+    sessions: int,
+    replication: bool,
+    scale: Fraction,
+    duration_s: float,
+    tmp: Path,
+    nvme_bytes: int | None = None,
 ) -> dict[str, Any]:
     wl = Workload()
     layout = scaled_layout(scale, wl)
     net = Net(link)
     _CLEANUPS.append(net)
     cars: list[Sidecar] = []
+    min_tokens = MIN_TOKENS if replication else 1 << 40
     try:
         for i in range(2):
             car = Sidecar(
@@ -378,7 +563,10 @@ def real_run(
                 net.ns[i],
                 net.addr[i],
                 net.addr[1 - i],
-                MIN_TOKENS if replication else 1 << 40,
+                min_tokens,
+                _scaled_bytes(DRAM_BYTES_SCALE1, scale),
+                _scaled_bytes(NVME_BYTES_SCALE1, scale) if nvme_bytes is None else nvme_bytes,
+                _scaled_bytes(REPLICA_BYTES_SCALE1, scale),
             )
             cars.append(car)
             _CLEANUPS.append(car)
@@ -386,21 +574,39 @@ def real_run(
             car.wait_ready()
         members = [f"{a}:{PEER_PORT}" for a in net.addr]
         clients = {m: StoreClient(str(c.socket), name=f"engine-{m}") for m, c in zip(members, cars)}
+        engines: dict[str, EngineImports] = {}
         try:
+            slot_blocks = (
+                wl.max_context_tokens + wl.input_max_tokens + wl.output_tokens[1]
+            ) // wl.block_tokens + 1
+            for m, c in zip(members, cars):
+                engines[m] = EngineImports(str(c.socket), layout, slot_blocks)
+                _CLEANUPS.append(engines[m])
+            for e in engines.values():
+                e.wait_ready()
             tx0 = [net.tx_bytes(i) for i in range(2)]
-            driver = Driver(clients, layout, wl, float(scale), sessions, duration_s)
+            driver = Driver(
+                clients, layout, wl, float(scale), sessions, duration_s, MIN_TOKENS, engines
+            )
+            cpu0 = _cpu_now([c.proc.pid for c in cars])
             t0 = time.monotonic()
             st = driver.run()
             wall = time.monotonic() - t0
+            cpu = _cpu_used(cpu0, _cpu_now([c.proc.pid for c in cars]), wall)
             tx = [net.tx_bytes(i) - tx0[i] for i in range(2)]
-            fetched = [c.stat().counters.get("peer_fetched_bytes", 0) for c in clients.values()]
+            counters = [dict(c.stat().counters) for c in clients.values()]
+            fetched = [c.get("peer_fetched_bytes", 0) for c in counters]
         finally:
+            for e in engines.values():
+                e.close()
+                _CLEANUPS.remove(e)
             for c in clients.values():
                 c.close()
     finally:
         for car in cars:
             car.stop()
             _CLEANUPS.remove(car)
+            shutil.rmtree(car.root, ignore_errors=True)  # its NVMe files: GBs per run
         net.close()
         _CLEANUPS.remove(net)
     s = float(scale)
@@ -411,6 +617,14 @@ def real_run(
     def q(values: list[float], p: float, k: float = 1.0) -> float | None:
         v = percentile(values, p)
         return None if v is None else v / k
+
+    # The receiver's time not covered by the wire: import_s minus the push's
+    # bytes at the link rate (an upper bound: it also holds the link shared
+    # with other pushes, and the Replicate and OpenFetch round trips).
+    beyond_wire = [t - b * 8 / bps for t, b in zip(st.import_s, st.push_bytes)] if bps else []
+    import_bytes_p50 = percentile(st.engine_import_bytes, 50)
+    import_gbps = [b / t / 1e9 for b, t in zip(st.engine_import_bytes, st.engine_import_s) if t]
+    memcpy = memcpy_gbps(int(import_bytes_p50)) if import_bytes_p50 else None
 
     return {
         "link": link,
@@ -424,14 +638,31 @@ def real_run(
         "delta_bytes_scale1_equiv": delta / s,
         "send_p50_s": q(st.send_s, 50),
         "send_p90_s": q(st.send_s, 90),
-        "import_p50_s": q(st.import_s, 50),
-        "import_p90_s": q(st.import_s, 90),
+        # The receiver's Replicate: from the call until the delta is resident
+        # (the wire included: part of the send), and what the wire leaves.
+        "receive_p50_s": q(st.import_s, 50),
+        "receive_p90_s": q(st.import_s, 90),
+        "receive_p50_s_scale1_equiv": q(st.import_s, 50, s),
+        "receive_p90_s_scale1_equiv": q(st.import_s, 90, s),
+        "receive_beyond_wire_p50_s": q(beyond_wire, 50),
+        "receive_beyond_wire_p90_s": q(beyond_wire, 90),
+        "receive_beyond_wire_p50_s_scale1_equiv": q(beyond_wire, 50, s),
+        "receive_beyond_wire_p90_s_scale1_equiv": q(beyond_wire, 90, s),
         "send_p50_s_scale1_equiv": q(st.send_s, 50, s),
         "send_p90_s_scale1_equiv": q(st.send_s, 90, s),
-        "import_p50_s_scale1_equiv": q(st.import_s, 50, s),
-        "import_p90_s_scale1_equiv": q(st.import_s, 90, s),
-        "engine_import_p50_s": q(st.engine_import_s, 50),
-        "engine_import_p50_s_scale1_equiv": q(st.engine_import_s, 50, s),
+        # The import as in the public write-up: the serving engine's ingest
+        # after the replica arrived, here its load of the reused prefix at a
+        # switch, next to memcpy of the same bytes measured in this run.
+        "import_p50_s": q(st.engine_import_s, 50),
+        "import_p90_s": q(st.engine_import_s, 90),
+        "import_p50_s_scale1_equiv": q(st.engine_import_s, 50, s),
+        "import_p90_s_scale1_equiv": q(st.engine_import_s, 90, s),
+        "import_bytes_p50": import_bytes_p50,
+        "import_gbps_p50": q(import_gbps, 50),
+        "memcpy_gbps": memcpy,
+        "import_p50_s_at_memcpy_scale1_equiv": (
+            import_bytes_p50 / (memcpy * 1e9) / s if memcpy else None
+        ),
         "bytes_a_to_b": fetched[1],
         "bytes_b_to_a": fetched[0],
         "wire_bytes_a_to_b": tx[0],
@@ -440,10 +671,82 @@ def real_run(
         "mbps_b_to_a": mbps[1],
         "link_util_mean": (sum(mbps) / 2 * 1e6 / bps) if bps else None,
         "same_host_misses": st.same_host_misses,
+        **{
+            f"{k}_of_cached": v
+            for k, v in shares([e["class_of_cached"] for e in st.switch_log]).items()
+            if k != "switches"
+        },
+        "switch_causes": dict(Counter(e["cause"] for e in st.switch_log)),
+        "switch_causes_not_warm": dict(
+            Counter(e["cause"] for e in st.switch_log if e["class"] != "warm")
+        ),
+        "pushes_unfinished_at_next_turn": st.pushes_unfinished_at_next_turn,
+        "push_slack_p10_s_scale1_equiv": q(st.push_slack_s, 10, s),
+        "slot_excess_p50_s_scale1_equiv": q(st.slot_excess_s, 50, s),
+        "slot_excess_p90_s_scale1_equiv": q(st.slot_excess_s, 90, s),
+        "sidecar_counters": [{k: c.get(k, 0) for k in SIDECAR_COUNTERS} for c in counters],
+        "cpu": cpu,
+        "switch_log": st.switch_log,
         "wall_s": wall,
         "errors": st.errors[:10],
         "error_count": len(st.errors),
     }
+
+
+SIDECAR_COUNTERS = (  # reported per sidecar: where blocks went
+    "dropped_blocks",  # evicted from DRAM without an NVMe copy
+    "spilled_blocks",  # evicted from DRAM to NVMe
+    "replica_bytes",
+    "peer_pushes",
+    "peer_pushes_dropped",
+    "peer_push_errors",
+    "peer_replicas_imported",
+    "peer_replicas_rejected",
+    "peer_fetch_errors",
+)
+
+
+def _cpu_now(pids: list[int]) -> dict[str, float]:
+    """CPU seconds of each sidecar and this process, and the machine's busy
+    and total jiffies (/proc): is the run CPU-bound?"""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for name, pid in zip("ab", pids):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[f"sidecar_{name}"] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            out[f"sidecar_{name}"] = 0.0
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out["driver"] = ru.ru_utime + ru.ru_stime
+    cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    out["machine_total"] = sum(cpu) / tick
+    out["machine_idle"] = (cpu[3] + cpu[4]) / tick
+    return out
+
+
+def _cpu_used(before: dict[str, float], after: dict[str, float], wall: float) -> dict[str, Any]:
+    d = {k: after[k] - before[k] for k in before}
+    total = d.pop("machine_total")
+    idle = d.pop("machine_idle")
+    return {
+        **{f"{k}_cpu_s": round(v, 2) for k, v in d.items()},
+        "cores": os.cpu_count(),
+        "machine_busy_share": round(1 - idle / total, 3) if total > 0 else None,
+        "wall_s": round(wall, 2),
+    }
+
+
+def _scaled_bytes(scale1_bytes: int, scale: Fraction) -> int:
+    return int(scale1_bytes * scale) // (1 << 20) << 20
+
+
+def _parse_run(text: str) -> tuple[str, int, bool]:
+    """``LINK:SESSIONS:on|off``, e.g. ``1gbit:16:on``."""
+    link, sessions, repl = text.split(":")
+    if link not in LINKS or repl not in ("on", "off"):
+        raise SystemExit(f"--runs {text!r}: want LINK:SESSIONS:on|off, LINK in {list(LINKS)}")
+    return link, int(sessions), repl == "on"
 
 
 def real_main(args: argparse.Namespace) -> dict[str, Any]:
@@ -454,7 +757,9 @@ def real_main(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"bench/switch.py needs `{tool}` (iproute2)")
     scale = Fraction(args.scale)
     duration = args.duration or float(5400 * scale)
-    if args.quick:
+    if args.runs:
+        plan = [_parse_run(r) for r in args.runs.split(",")]
+    elif args.quick:
         plan = [("1gbit", 16, True), ("1gbit", 16, False)]
     else:
         plan = [(link, n, True) for link in LINKS for n in (12, 16)] + [("1gbit", 16, False)]
@@ -465,13 +770,16 @@ def real_main(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-switch-") as tmp:
         for link, n, repl in plan:
-            run = real_run(link, n, repl, scale, duration, Path(tmp))
+            run = real_run(link, n, repl, scale, duration, Path(tmp), args.nvme_bytes)
             print(
                 f"{link} {n} sessions repl={repl}: {run['switches']} switches, "
-                f"warm {run['warm']}, cold {run['cold']}, errors {run['error_count']}",
+                f"warm {run['warm']}, cold {run['cold']}, errors {run['error_count']}, "
+                f"not warm because {run['switch_causes_not_warm']}",
                 file=sys.stderr,
             )
             runs.append(run)
+            if args.out:  # what is done survives a later run's failure
+                Path(args.out).write_text(json.dumps({"runs": runs, "partial": True}, default=str))
     wl = Workload()
     sims = [
         simulate(
@@ -496,6 +804,10 @@ def real_main(args: argparse.Namespace) -> dict[str, Any]:
         "public_delta_bytes": PUBLIC_DELTA_BYTES,
         "slots_per_host": SLOTS_PER_HOST,
         "min_tokens": MIN_TOKENS,
+        "dram_bytes_per_sidecar": _scaled_bytes(DRAM_BYTES_SCALE1, scale),
+        "nvme_bytes_per_sidecar": _scaled_bytes(NVME_BYTES_SCALE1, scale)
+        if args.nvme_bytes is None
+        else args.nvme_bytes,
         "runs": runs,
         "simulated_same_runs": sims,
         "public": PUBLIC,
@@ -505,7 +817,13 @@ def real_main(args: argparse.Namespace) -> dict[str, Any]:
         else {
             "warm_1gbit_16": (r16["warm"] or 0) >= TARGETS["warm_1gbit_16"],
             "cold_1gbit_16": r16["cold"] == 0,
+            # The public 2.8 s is the receiving engine's import after the
+            # replica arrived: here the engine's load at a switch.
             "import_p50_s_scale1": (r16["import_p50_s_scale1_equiv"] or 1e9)
+            <= TARGETS["import_p50_s_scale1"],
+            "receive_beyond_wire_p50_s_scale1": (
+                r16["receive_beyond_wire_p50_s_scale1_equiv"] or 1e9
+            )
             <= TARGETS["import_p50_s_scale1"],
         },
         "wall_s": time.monotonic() - started,
@@ -609,8 +927,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--simulate", action="store_true", help="pure fleet simulation")
     parser.add_argument("--quick", action="store_true", help="fewer runs")
-    parser.add_argument("--scale", default="1/64", help="time and byte scale (1/2**k)")
+    parser.add_argument("--scale", default="1/32", help="time and byte scale (1/2**k)")
     parser.add_argument("--duration", type=float, default=0.0, help="seconds per run")
+    parser.add_argument(
+        "--runs",
+        metavar="LIST",
+        help="only these runs: LINK:SESSIONS:on|off,... (e.g. 1gbit:16:on)",
+    )
+    parser.add_argument(
+        "--nvme-bytes",
+        type=int,
+        default=None,
+        help="NVMe tier of each sidecar (default 512 GiB x scale; 0: DRAM only, evictions drop)",
+    )
     parser.add_argument("--charts", metavar="DIR", help="write switch_*.png charts here")
     parser.add_argument("--out", metavar="FILE", help="also write the JSON here")
     args = parser.parse_args(argv)
@@ -628,7 +957,7 @@ def main(argv: list[str] | None = None) -> None:
         print(text)
     else:
         for r in result.get("runs", result.get("rows", [])):
-            print({k: v for k, v in r.items() if k not in ("errors",)})
+            print({k: v for k, v in r.items() if k not in ("errors", "switch_log")})
 
 
 if __name__ == "__main__":
