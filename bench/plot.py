@@ -2,7 +2,8 @@
 
     python bench/ttft.py --json > ttft.json
     python bench/peer.py --json > peer.json
-    python bench/plot.py --ttft ttft.json --peer peer.json --out docs/img
+    python bench/switch.py --simulate --json > sim.json
+    python bench/plot.py --ttft ttft.json --peer peer.json --routing sim.json --out docs/img
 
 Needs matplotlib (not a tierstore dependency: `pip install matplotlib`).
 """
@@ -66,10 +67,46 @@ def plot_peer(data: dict, out: Path) -> None:
     fig.savefig(out / "peer.png")
 
 
+def plot_routing(data: dict, out: Path) -> None:
+    """Affinity-with-spill vs the router in the simulated fleet (replication
+    on, first link speed): warm share, TTFT p90 and replica traffic by hosts."""
+    rows = [r for r in data["rows"] if r["replication"]]
+    routed = {r["hosts"] for r in rows if r.get("policy") == "router"}
+    gbps = min(r["link_gbps"] for r in rows)
+    rows = [r for r in rows if r["hosts"] in routed and r["link_gbps"] == gbps]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), dpi=120)
+    metrics = [
+        ("warm", "warm share of host switches", (0, 1.02)),
+        ("ttft_p90_s", "TTFT p90 (s)", None),
+        ("replica_mbps_per_host", "replica traffic per host (Mb/s)", None),
+    ]
+    for ax, (key, label, ylim) in zip(axes, metrics):
+        for color, sph in enumerate(sorted({r["sessions_per_host"] for r in rows})):
+            for policy, style in (("affinity", ":"), ("router", "-")):
+                rs = sorted(
+                    (r for r in rows
+                     if r["sessions_per_host"] == sph and r.get("policy", "affinity") == policy),
+                    key=lambda r: r["hosts"],
+                )  # fmt: skip
+                ax.plot([r["hosts"] for r in rs], [r[key] for r in rs], style, marker="o",
+                        color=f"C{color}", label=f"{policy}, {sph} sessions/host")  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("hosts (4 slots each)")
+        ax.set_ylabel(label)
+        if ylim:
+            ax.set_ylim(*ylim)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Simulated fleet at {gbps:g} Gbit/s: affinity + spill (dotted) vs router (solid)")
+    fig.tight_layout()
+    fig.savefig(out / "routing.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ttft", type=Path)
     parser.add_argument("--peer", type=Path)
+    parser.add_argument("--routing", type=Path, help="bench/switch.py --simulate --json output")
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -77,6 +114,8 @@ def main() -> None:
         plot_ttft(json.loads(args.ttft.read_text()), args.out)
     if args.peer:
         plot_peer(json.loads(args.peer.read_text()), args.out)
+    if args.routing:
+        plot_routing(json.loads(args.routing.read_text()), args.out)
 
 
 if __name__ == "__main__":
