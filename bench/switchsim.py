@@ -41,6 +41,7 @@ import math
 import random
 import statistics
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -153,44 +154,51 @@ def shares(outcomes: Sequence[str]) -> dict[str, Any]:
 
 
 class RoutedPlacement:
-    """The router's decisions for the simulated fleet: ``tierstore.router``'s
-    cost model over what each host holds of the session (all in DRAM) and its
-    slots and queue. Candidates are the hosts holding any of the session plus
-    the least busy others (the rest can only tie with those); ``turn_s`` is
-    the running mean of slot occupancy, as an engine would measure it."""
+    """The router's decisions for a fleet of simulated engines:
+    ``tierstore.router``'s cost model over what each host holds of the
+    session (tier codes of its prefix) and its slots and queue. Candidates
+    are the hosts holding any of the session plus the least busy others (the
+    rest can only tie with those); ``turn_s`` is the running mean of slot
+    occupancy, as an engine would measure it. ``time_scale`` and
+    ``block_bytes`` let bench/switch.py use it at its scale (times and bytes
+    both multiplied by the scale)."""
 
-    def __init__(self, members: list[str], slots: int, wl: Workload, cfg: SimConfig) -> None:
+    def __init__(
+        self, members: list[str], slots: int, wl: Workload, cfg: SimConfig,
+        block_bytes: int | None = None, time_scale: float = 1.0,
+    ) -> None:  # fmt: skip
         self.members, self.slots, self.wl = members, slots, wl
-        self.block_bytes = wl.block_tokens * wl.bytes_per_token
+        self.block_bytes = block_bytes or wl.block_tokens * wl.bytes_per_token
         self.rates = Rates(
-            prefill_tokens_per_s=wl.prefill_tokens_per_s,
+            prefill_tokens_per_s=wl.prefill_tokens_per_s / time_scale,
             dram_bytes_per_s=cfg.dram_load_bytes_per_s,
-            peer_bytes_per_s=1.0,  # no pulls on a switch in this simulation
-            turn_s=15.0,
+            peer_bytes_per_s=1.0,  # engines import what their host holds; no pulls on a switch
+            turn_s=15.0 * time_scale,
         )
         self._busy_total, self._turns = 0.0, 0
+        self._lock = threading.Lock()
 
     def observe(self, busy_s: float) -> None:
-        self._busy_total += busy_s
-        self._turns += 1
-        if self._turns % 16 == 0:
-            self.rates = replace(self.rates, turn_s=self._busy_total / self._turns)
+        with self._lock:
+            self._busy_total += busy_s
+            self._turns += 1
+            if self._turns % 16 == 0:
+                self.rates = replace(self.rates, turn_s=self._busy_total / self._turns)
 
     def plan(
-        self, name: str, prompt: int, current: str | None, held: dict[str, dict[str, int]],
-        busy: dict[str, int], queued: dict[str, int],
+        self, name: str, prompt: int, current: str | None, prefixes: Mapping[str, bytes],
+        busy: Mapping[str, int], queued: Mapping[str, int],
     ) -> Plan:  # fmt: skip
+        """``prefixes[host]``: tier codes of the prompt's prefix the host
+        holds (absent: nothing)."""
         blocks = prompt // self.wl.block_tokens
-        holders = [m for m in self.members if held[m].get(name, 0)]
+        holders = [m for m in self.members if prefixes.get(m)]
         others = sorted(
-            (m for m in self.members if not held[m].get(name, 0)),
-            key=lambda m: busy[m] + queued[m],
+            (m for m in self.members if not prefixes.get(m)), key=lambda m: busy[m] + queued[m]
         )[:3]
         views = [
             HostView(
-                m,
-                bytes([DRAM]) * min(held[m].get(name, 0), blocks),
-                HostLoadView(True, busy[m], self.slots, queued[m]),
+                m, prefixes.get(m, b"")[:blocks], HostLoadView(True, busy[m], self.slots, queued[m])
             )
             for m in (*holders, *others)
         ]
@@ -295,6 +303,9 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             waiting.pop(0)
             start(s, prompt, host, now, arrived)
 
+    def prefixes(name: str) -> dict[str, bytes]:  # every held block is in DRAM here
+        return {m: bytes([DRAM]) * held[m][name] for m in members if held[m].get(name)}
+
     def fleet_load() -> tuple[dict[str, int], dict[str, int]]:
         return {m: cfg.slots_per_host - free[m] for m in members}, dict.fromkeys(members, 0)
 
@@ -302,7 +313,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         i = 0
         while i < len(waiting) and any(free.values()):
             s, prompt, arrived = waiting[i]
-            best = router.plan(s.name, prompt, s.last_host, held, *fleet_load()).best
+            best = router.plan(s.name, prompt, s.last_host, prefixes(s.name), *fleet_load()).best
             assert best is not None
             if free[best.host] > 0:
                 waiting.pop(i)
@@ -313,7 +324,9 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     def spill_target(s: _Session, host: str) -> str | None:
         if cfg.policy == "affinity":
             return rendezvous_target(s.name, members, exclude=host)
-        return router.plan(s.name, s.context, host, held, *fleet_load()).spill_host or None
+        return (
+            router.plan(s.name, s.context, host, prefixes(s.name), *fleet_load()).spill_host or None
+        )
 
     while events:
         now, _, kind, data = heapq.heappop(events)

@@ -90,12 +90,14 @@ def test_the_router_waits_for_the_host_holding_a_long_prefix() -> None:
     50k tokens waits a slot there (2.5 s) instead of prefilling 6 s elsewhere."""
     from switchsim import RoutedPlacement
 
+    from tierstore.router.cost import DRAM
+
     members = ["h0", "h1"]
     wl = Workload()
     placement = RoutedPlacement(members, 4, wl, SimConfig(policy="router"))
-    held = {"h0": {"s": 50_000 // wl.block_tokens}, "h1": {}}
+    held = {"h0": bytes([DRAM]) * (50_000 // wl.block_tokens)}
     full_home = placement.plan("s", 50_500, "h0", held, {"h0": 4, "h1": 0}, {"h0": 0, "h1": 0})
     assert full_home.best is not None and full_home.best.host == "h0"
-    short = {"h0": {"s": 2000 // wl.block_tokens}, "h1": {}}
+    short = {"h0": bytes([DRAM]) * (2000 // wl.block_tokens)}
     moved = placement.plan("s", 2500, "h0", short, {"h0": 4, "h1": 0}, {"h0": 0, "h1": 0})
     assert moved.best is not None and moved.best.host == "h1"  # 0.3 s of prefill < the wait
