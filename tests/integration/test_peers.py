@@ -30,9 +30,9 @@ from tierstore.client import StoreClient
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.peer import codec
 from tierstore.policies import rendezvous_target
-from tierstore.wire import layout_to_proto
 from tierstore.tiers.base import TierName
 from tierstore.v1 import peer_pb2, peer_pb2_grpc
+from tierstore.wire import layout_to_proto
 
 from ..conftest import SMALL_LAYOUT
 from .fakepeer import FakePeer
