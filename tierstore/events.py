@@ -6,7 +6,9 @@ their index of the fleet stays current without asking every host on every
 request. The tiers record a batch of keys under their own lock, so the order
 of the log is the order of the changes; one sequence number per batch.
 
-The log keeps at most ``max_keys`` keys (oldest batches dropped first). A
+The log keeps at most ``max_keys`` keys in at most ``max_keys / 8`` batches
+(at least 64; oldest batches dropped first: an eviction storm records one
+key per batch, and a batch costs more than its key). A
 watcher that falls behind the retained log, or sees another epoch (a random
 number per sidecar start), must resynchronise from a snapshot: the snapshot
 is taken after reading ``seq``, and replaying the batches after it on top is
@@ -39,6 +41,7 @@ class BlockEventLog:
         if max_keys < 1:
             raise ValueError(f"max_keys must be >= 1, got {max_keys}")
         self.max_keys = max_keys
+        self.max_batches = max(64, max_keys // 8)
         self.epoch = secrets.randbits(63) + 1  # never 0: 0 means "none" on the wire
         self._batches: deque[EventBatch] = deque()
         self._keys = 0
@@ -58,7 +61,9 @@ class BlockEventLog:
             self._seq += 1
             self._batches.append(EventBatch(self._seq, added, tier, b"".join(keys)))
             self._keys += len(keys)
-            while self._keys > self.max_keys and len(self._batches) > 1:
+            while (self._keys > self.max_keys or len(self._batches) > self.max_batches) and len(
+                self._batches
+            ) > 1:
                 self._keys -= len(self._batches.popleft().keys) // 32
             self._cond.notify_all()
 

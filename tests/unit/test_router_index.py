@@ -75,6 +75,13 @@ def test_log_drops_old_batches_and_says_so() -> None:
         BlockEventLog(max_keys=0)
 
 
+def test_log_bounds_batches_too() -> None:
+    log = BlockEventLog(max_keys=1024)  # 128 batches at most
+    for i in range(500):
+        log.record(False, TierName.DRAM, [i.to_bytes(32, "big")])
+    assert log.retained_from() == 500 - 128 + 1 and log.seq == 500
+
+
 # -- the router's index ----------------------------------------------------------------
 
 
