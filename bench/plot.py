@@ -70,7 +70,7 @@ def plot_peer(data: dict, out: Path) -> None:
 def plot_routing(data: dict, out: Path) -> None:
     """Affinity-with-spill vs the router in the simulated fleet (replication
     on, first link speed): warm share, TTFT p90 and replica traffic by hosts."""
-    rows = [r for r in data["rows"] if r["replication"]]
+    rows = [r for r in data.get("routing_rows", data["rows"]) if r["replication"]]
     routed = {r["hosts"] for r in rows if r.get("policy") == "router"}
     gbps = min(r["link_gbps"] for r in rows)
     rows = [r for r in rows if r["hosts"] in routed and r["link_gbps"] == gbps]
