@@ -118,6 +118,15 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def spawn_logged(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` from the repository root with it on PYTHONPATH, its
+    output appended to ``log_path``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=log, stderr=log)
+
+
 def wait_for_socket(
     proc: subprocess.Popen[bytes], sock: Path, log_path: Path, timeout_s: float = SIDECAR_START_S
 ) -> None:

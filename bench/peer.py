@@ -77,6 +77,7 @@ from common import (  # noqa: E402
     emit,
     memcpy_gbps,
     ratio,
+    spawn_logged,
     wait_for_socket,
 )
 
@@ -192,10 +193,7 @@ class Sidecar:
             "shutdown_grace_s=1",
             *extra,
         ]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        with open(root / "sidecar.log", "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
+        self.proc = spawn_logged(cmd, root / "sidecar.log")
 
     def wait_ready(self) -> None:
         wait_for_socket(self.proc, self.socket, self.root / "sidecar.log")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from common import wait_for_socket  # noqa: E402
+from common import spawn_logged, wait_for_socket  # noqa: E402
 
 from tierstore.client import StoreClient  # noqa: E402
 from tierstore.keys import KVLayout  # noqa: E402
@@ -128,11 +128,8 @@ class Sidecar:
             "--set", f"replica_bytes={replica_bytes}",
             "--set", "log_level=warning", "--set", "shutdown_grace_s=1",
         ]  # fmt: skip
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        with open(root / "sidecar.log", "wb") as log:
-            # `ip netns exec` execs the command: this pid is the sidecar's.
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log)
+        # `ip netns exec` execs the command: this pid is the sidecar's.
+        self.proc = spawn_logged(cmd, root / "sidecar.log")
 
     def wait_ready(self) -> None:
         wait_for_socket(self.proc, self.socket, self.root / "sidecar.log")
