@@ -191,3 +191,13 @@ def test_measured_rates_replace_configured_ones_per_host() -> None:
     p = plan([slow, fast], 0, 1000, BT, BB, R)
     assert [c.host for c in p.ranked] == ["fast", "slow"]
     assert p.ranked[0].prefill_s == pytest.approx(0.5)
+
+
+def test_explain_lists_unreachable_hosts_apart() -> None:
+    from tierstore.router.cli import format_plan, plan_to_dict
+
+    views = [HostView("a:1", bytes([DRAM] * 3)), HostView("b:2", reachable=False, error="DOWN")]
+    p = plan(views, 3, 60, BT, BB, R)
+    text = format_plan(p, explain=True)
+    assert "best host a:1" in text and "unreachable: b:2 (DOWN)" in text
+    assert plan_to_dict(p)["hosts"][1]["ttft_s"] is None

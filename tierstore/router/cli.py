@@ -230,9 +230,9 @@ def format_plan(plan: Plan, explain: bool) -> str:
     head = ("#", "host", "TTFT", "queue", "load", "prefill", "reused", "hbm", "dram", "nvme",
             "peer", "slots", "via")  # fmt: skip
     rows: list[tuple[str, ...]] = [head]
+    down = [c for c in plan.ranked if not c.reachable]
     for i, c in enumerate(plan.ranked, 1):
         if not c.reachable:
-            rows.append((str(i), c.host, "-", f"unreachable: {c.error}"[:60], *[""] * 9))
             continue
         slots = (
             f"{c.load.busy_slots}/{c.load.slots}+{c.load.queue_len}"
@@ -243,12 +243,12 @@ def format_plan(plan: Plan, explain: bool) -> str:
             f"{c.reused_tokens}/{plan.num_tokens}",
             *(str(c.blocks.get(t, 0)) for t in ("hbm", "dram", "nvme", "peer")), slots, c.source,
         ))  # fmt: skip
-    widths = [max(len(r[j]) for r in rows if len(r) > j) for j in range(len(head))]
+    widths = [max(len(r[j]) for r in rows) for j in range(len(head))]
     for r in rows:
-        cells = [
-            r[j].rjust(widths[j]) if j not in (1,) else r[j].ljust(widths[j]) for j in range(len(r))
-        ]
+        cells = [r[j].ljust(widths[j]) if j == 1 else r[j].rjust(widths[j]) for j in range(len(r))]
         lines.append("  " + "  ".join(cells).rstrip())
+    for c in down:
+        lines.append(f"  unreachable: {c.host} ({c.error})")
     lines.append(
         "  TTFT = queue (wait for a slot) + load (prefix: HBM/DRAM/NVMe/peer) + prefill (the rest)"
     )
