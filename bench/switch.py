@@ -219,6 +219,12 @@ def real_run(
         "ttft_mean_s_scale1_equiv": float(np.mean(st.ttft_s)) / s if st.ttft_s else None,
         "ttft_p90_s_scale1_equiv": q(st.ttft_s, 90, s),
         "wait_mean_s_scale1_equiv": float(np.mean(st.wait_s)) / s if st.wait_s else None,
+        # The router's lookups of the prompt on both hosts, included in the
+        # wait: a per-call cost, so its scale-1 equivalent is inflated by 1/s.
+        "router_lookup_p50_s": q(st.lookup_s, 50),
+        "router_lookup_mean_s_scale1_equiv": float(np.mean(st.lookup_s)) / s
+        if st.lookup_s
+        else None,
         # Load balance: the busier host's slot-seconds over the mean host's.
         "busy_max_over_mean": max(busy) / float(np.mean(busy)) if any(busy) else None,
         **shares(st.outcomes),

@@ -66,6 +66,7 @@ class RunStats:
     same_host_misses: int = 0
     ttft_s: list[float] = field(default_factory=list)  # wait for a slot + import + prefill
     wait_s: list[float] = field(default_factory=list)  # arrival -> slot
+    lookup_s: list[float] = field(default_factory=list)  # router: its lookups on both hosts
     errors: list[str] = field(default_factory=list)
 
 
@@ -160,7 +161,11 @@ class Driver:
     def _take_slot(
         self, index: int, name: str, last: str | None, prompt: int, keys: list[Any]
     ) -> str | None:
-        prefixes = self._prefixes(keys) if self.placement is not None else {}
+        prefixes = {}
+        if self.placement is not None:  # part of the wait: a router's decision costs time
+            t0 = time.monotonic()
+            prefixes = self._prefixes(keys)
+            self.stats.lookup_s.append(time.monotonic() - t0)
         with self.cond:
             self.queue.append(index)
             while True:
