@@ -59,6 +59,7 @@ class RunStats:
     engine_import_bytes: list[int] = field(default_factory=list)
     send_s: list[float] = field(default_factory=list)
     import_s: list[float] = field(default_factory=list)
+    tail_s: list[float] = field(default_factory=list)  # receiver: last byte -> resident
     push_bytes: list[int] = field(default_factory=list)
     pushed_blocks: int = 0
     pushes: int = 0
@@ -344,6 +345,7 @@ class Driver:
             self.stats.pushed_blocks += reply.pushed
             self.stats.send_s.append(wall)
             self.stats.import_s.append(reply.push_s)
+            self.stats.tail_s.append(reply.push_tail_s)
             self.stats.push_bytes.append(reply.pushed * self.layout.block_bytes)
 
     def _explain_switch(

@@ -334,6 +334,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         if push is not None and push.reply is not None:
             reply.pushed = push.reply.imported
             reply.push_s = push.reply.import_s
+            reply.push_tail_s = push.reply.tail_s
         return reply
 
     @_handler

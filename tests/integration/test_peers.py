@@ -226,6 +226,7 @@ def test_replica_push_goes_to_the_rendezvous_host_only(trio: Trio) -> None:
         assert reply.replica_target == target and reply.replicating
         assert reply.pushed == n
         assert 0 < reply.push_s < 10
+        assert 0 < reply.push_tail_s <= reply.push_s  # the target's work after the last byte
         found = tc.lookup(L, keys)
         assert found.num_hits == n and set(found.tiers) == {DRAM}
         assert n * BLOCK <= counters(tc)["replica_bytes"] <= REPLICA_BUDGET_BLOCKS * BLOCK

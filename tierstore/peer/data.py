@@ -261,6 +261,7 @@ class ReceiveResult:
     received: int = 0  # blocks verified and committed
     keys: list[BlockKey] = field(default_factory=list)  # those blocks, in order
     bytes: int = 0  # payload bytes read from the wire
+    last_byte_at: float = 0.0  # time.monotonic() when the last payload byte arrived
     verify_failures: int = 0
     error: str = ""
 
@@ -332,6 +333,7 @@ def receive_blocks(
                 else:
                     recv_into_exact(conn, slot, deadline)
                 result.bytes += payload_bytes
+                result.last_byte_at = time.monotonic()
                 if slot is not scratch:  # held already or no room: not ours to keep
                     pending.append((key, verifier.submit(_matches, slot, digest)))
                 settle(wait=False)

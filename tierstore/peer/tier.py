@@ -410,7 +410,10 @@ class PeerTier:
             ledger.refresh(reversed(keys))
         self.count("replicas_imported", len(committed))
         reply.imported = len(committed)
-        reply.import_s = time.monotonic() - started
+        now = time.monotonic()
+        reply.import_s = now - started
+        if committed and result.last_byte_at:
+            reply.tail_s = now - result.last_byte_at
         return reply
 
     def close(self) -> None:

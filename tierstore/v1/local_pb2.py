@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tierstore.v1 import common_pb2 as tierstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierstore/v1/local.proto\x12\x0ctierstore.v1\x1a\x19tierstore/v1/common.proto\"1\n\rAttachRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"y\n\x0b\x41ttachEvent\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eserver_version\x18\x04 \x01(\t\x12\x16\n\x0emax_batch_keys\x18\x05 \x01(\r\"=\n\x15RegisterLayoutRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\"=\n\x13RegisterLayoutReply\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\"l\n\x0bKeysRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x15\n\rinclude_peers\x18\x04 \x01(\x08\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\"\x8f\x01\n\x0e\x45ndTurnRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0f\n\x07session\x18\x03 \x01(\t\x12\x0c\n\x04keys\x18\x04 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x0c\n\x04wait\x18\x06 \x01(\x08\x12\x16\n\x0ereplica_target\x18\x07 \x01(\t\"[\n\x0c\x45ndTurnReply\x12\x16\n\x0ereplica_target\x18\x01 \x01(\t\x12\x13\n\x0breplicating\x18\x02 \x01(\x08\x12\x0e\n\x06pushed\x18\x03 \x01(\r\x12\x0e\n\x06push_s\x18\x04 \x01(\x01\"1\n\x0cReserveReply\x12\x10\n\x08statuses\x18\x01 \x01(\x0c\x12\x0f\n\x07offsets\x18\x02 \x03(\x03\"\x1b\n\nFlagsReply\x12\r\n\x05\x66lags\x18\x01 \x01(\x0c\"\x1b\n\nCountReply\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\".\n\x0bLookupReply\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\"\x1f\n\x0c\x41\x63quireReply\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\"\x86\x01\n\x0fPrefetchRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12,\n\x06policy\x18\x04 \x01(\x0e\x32\x1c.tierstore.v1.PrefetchPolicy\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"o\n\rPrefetchReply\x12.\n\x07outcome\x18\x01 \x01(\x0e\x32\x1d.tierstore.v1.PrefetchOutcome\x12\x14\n\x0cready_blocks\x18\x02 \x01(\r\x12\x18\n\x10\x61vailable_blocks\x18\x03 \x01(\r\"\r\n\x0bStatRequest\"]\n\nClientInfo\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x13\n\x0b\x63onnected_s\x18\x04 \x01(\x01\x12\x0c\n\x04pins\x18\x05 \x01(\x04\"\x8a\x01\n\x11ReportLoadRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x12\n\nbusy_slots\x18\x02 \x01(\r\x12\r\n\x05slots\x18\x03 \x01(\r\x12\x11\n\tqueue_len\x18\x04 \x01(\r\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\"7\n\x0fReportLoadReply\x12$\n\x04host\x18\x01 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\"\xb7\x02\n\tStatReply\x12%\n\x05tiers\x18\x01 \x03(\x0b\x32\x16.tierstore.v1.TierStat\x12\x37\n\x08\x63ounters\x18\x02 \x03(\x0b\x32%.tierstore.v1.StatReply.CountersEntry\x12)\n\x07\x63lients\x18\x03 \x03(\x0b\x32\x18.tierstore.v1.ClientInfo\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x13\n\x0bsocket_path\x18\x06 \x01(\t\x12\x10\n\x08nvme_dir\x18\x07 \x01(\t\x12$\n\x04load\x18\x08 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*E\n\rReserveStatus\x12\x0e\n\nRESERVE_OK\x10\x00\x12\x12\n\x0eRESERVE_EXISTS\x10\x01\x12\x10\n\x0cRESERVE_FULL\x10\x02*S\n\x0ePrefetchPolicy\x12\x18\n\x14PREFETCH_BEST_EFFORT\x10\x00\x12\x11\n\rPREFETCH_WAIT\x10\x01\x12\x14\n\x10PREFETCH_TIMEOUT\x10\x02*e\n\x0fPrefetchOutcome\x12\x14\n\x10PREFETCH_STARTED\x10\x00\x12\x11\n\rPREFETCH_DONE\x10\x01\x12\x11\n\rPREFETCH_LATE\x10\x02\x12\x16\n\x12PREFETCH_CANCELLED\x10\x03\x32\xc4\x06\n\x0cLocalService\x12\x42\n\x06\x41ttach\x12\x1b.tierstore.v1.AttachRequest\x1a\x19.tierstore.v1.AttachEvent0\x01\x12X\n\x0eRegisterLayout\x12#.tierstore.v1.RegisterLayoutRequest\x1a!.tierstore.v1.RegisterLayoutReply\x12@\n\x07Reserve\x12\x19.tierstore.v1.KeysRequest\x1a\x1a.tierstore.v1.ReserveReply\x12=\n\x06\x43ommit\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.FlagsReply\x12<\n\x05\x41\x62ort\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.CountReply\x12>\n\x06Lookup\x12\x19.tierstore.v1.KeysRequest\x1a\x19.tierstore.v1.LookupReply\x12@\n\x07\x41\x63quire\x12\x19.tierstore.v1.KeysRequest\x1a\x1a.tierstore.v1.AcquireReply\x12>\n\x07Release\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.CountReply\x12\x46\n\x08Prefetch\x12\x1d.tierstore.v1.PrefetchRequest\x1a\x1b.tierstore.v1.PrefetchReply\x12\x43\n\x07\x45ndTurn\x12\x1c.tierstore.v1.EndTurnRequest\x1a\x1a.tierstore.v1.EndTurnReply\x12L\n\nReportLoad\x12\x1f.tierstore.v1.ReportLoadRequest\x1a\x1d.tierstore.v1.ReportLoadReply\x12:\n\x04Stat\x12\x19.tierstore.v1.StatRequest\x1a\x17.tierstore.v1.StatReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierstore/v1/local.proto\x12\x0ctierstore.v1\x1a\x19tierstore/v1/common.proto\"1\n\rAttachRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"y\n\x0b\x41ttachEvent\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eserver_version\x18\x04 \x01(\t\x12\x16\n\x0emax_batch_keys\x18\x05 \x01(\r\"=\n\x15RegisterLayoutRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\"=\n\x13RegisterLayoutReply\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\"l\n\x0bKeysRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x15\n\rinclude_peers\x18\x04 \x01(\x08\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\"\x8f\x01\n\x0e\x45ndTurnRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0f\n\x07session\x18\x03 \x01(\t\x12\x0c\n\x04keys\x18\x04 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x0c\n\x04wait\x18\x06 \x01(\x08\x12\x16\n\x0ereplica_target\x18\x07 \x01(\t\"p\n\x0c\x45ndTurnReply\x12\x16\n\x0ereplica_target\x18\x01 \x01(\t\x12\x13\n\x0breplicating\x18\x02 \x01(\x08\x12\x0e\n\x06pushed\x18\x03 \x01(\r\x12\x0e\n\x06push_s\x18\x04 \x01(\x01\x12\x13\n\x0bpush_tail_s\x18\x05 \x01(\x01\"1\n\x0cReserveReply\x12\x10\n\x08statuses\x18\x01 \x01(\x0c\x12\x0f\n\x07offsets\x18\x02 \x03(\x03\"\x1b\n\nFlagsReply\x12\r\n\x05\x66lags\x18\x01 \x01(\x0c\"\x1b\n\nCountReply\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\".\n\x0bLookupReply\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\"\x1f\n\x0c\x41\x63quireReply\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\"\x86\x01\n\x0fPrefetchRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12,\n\x06policy\x18\x04 \x01(\x0e\x32\x1c.tierstore.v1.PrefetchPolicy\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"o\n\rPrefetchReply\x12.\n\x07outcome\x18\x01 \x01(\x0e\x32\x1d.tierstore.v1.PrefetchOutcome\x12\x14\n\x0cready_blocks\x18\x02 \x01(\r\x12\x18\n\x10\x61vailable_blocks\x18\x03 \x01(\r\"\r\n\x0bStatRequest\"]\n\nClientInfo\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x13\n\x0b\x63onnected_s\x18\x04 \x01(\x01\x12\x0c\n\x04pins\x18\x05 \x01(\x04\"\x8a\x01\n\x11ReportLoadRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x12\n\nbusy_slots\x18\x02 \x01(\r\x12\r\n\x05slots\x18\x03 \x01(\r\x12\x11\n\tqueue_len\x18\x04 \x01(\r\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\"7\n\x0fReportLoadReply\x12$\n\x04host\x18\x01 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\"\xb7\x02\n\tStatReply\x12%\n\x05tiers\x18\x01 \x03(\x0b\x32\x16.tierstore.v1.TierStat\x12\x37\n\x08\x63ounters\x18\x02 \x03(\x0b\x32%.tierstore.v1.StatReply.CountersEntry\x12)\n\x07\x63lients\x18\x03 \x03(\x0b\x32\x18.tierstore.v1.ClientInfo\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x13\n\x0bsocket_path\x18\x06 \x01(\t\x12\x10\n\x08nvme_dir\x18\x07 \x01(\t\x12$\n\x04load\x18\x08 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*E\n\rReserveStatus\x12\x0e\n\nRESERVE_OK\x10\x00\x12\x12\n\x0eRESERVE_EXISTS\x10\x01\x12\x10\n\x0cRESERVE_FULL\x10\x02*S\n\x0ePrefetchPolicy\x12\x18\n\x14PREFETCH_BEST_EFFORT\x10\x00\x12\x11\n\rPREFETCH_WAIT\x10\x01\x12\x14\n\x10PREFETCH_TIMEOUT\x10\x02*e\n\x0fPrefetchOutcome\x12\x14\n\x10PREFETCH_STARTED\x10\x00\x12\x11\n\rPREFETCH_DONE\x10\x01\x12\x11\n\rPREFETCH_LATE\x10\x02\x12\x16\n\x12PREFETCH_CANCELLED\x10\x03\x32\xc4\x06\n\x0cLocalService\x12\x42\n\x06\x41ttach\x12\x1b.tierstore.v1.AttachRequest\x1a\x19.tierstore.v1.AttachEvent0\x01\x12X\n\x0eRegisterLayout\x12#.tierstore.v1.RegisterLayoutRequest\x1a!.tierstore.v1.RegisterLayoutReply\x12@\n\x07Reserve\x12\x19.tierstore.v1.KeysRequest\x1a\x1a.tierstore.v1.ReserveReply\x12=\n\x06\x43ommit\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.FlagsReply\x12<\n\x05\x41\x62ort\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.CountReply\x12>\n\x06Lookup\x12\x19.tierstore.v1.KeysRequest\x1a\x19.tierstore.v1.LookupReply\x12@\n\x07\x41\x63quire\x12\x19.tierstore.v1.KeysRequest\x1a\x1a.tierstore.v1.AcquireReply\x12>\n\x07Release\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.CountReply\x12\x46\n\x08Prefetch\x12\x1d.tierstore.v1.PrefetchRequest\x1a\x1b.tierstore.v1.PrefetchReply\x12\x43\n\x07\x45ndTurn\x12\x1c.tierstore.v1.EndTurnRequest\x1a\x1a.tierstore.v1.EndTurnReply\x12L\n\nReportLoad\x12\x1f.tierstore.v1.ReportLoadRequest\x1a\x1d.tierstore.v1.ReportLoadReply\x12:\n\x04Stat\x12\x19.tierstore.v1.StatRequest\x1a\x17.tierstore.v1.StatReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,12 +34,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATREPLY_COUNTERSENTRY']._loaded_options = None
   _globals['_STATREPLY_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_RESERVESTATUS']._serialized_start=1780
-  _globals['_RESERVESTATUS']._serialized_end=1849
-  _globals['_PREFETCHPOLICY']._serialized_start=1851
-  _globals['_PREFETCHPOLICY']._serialized_end=1934
-  _globals['_PREFETCHOUTCOME']._serialized_start=1936
-  _globals['_PREFETCHOUTCOME']._serialized_end=2037
+  _globals['_RESERVESTATUS']._serialized_start=1801
+  _globals['_RESERVESTATUS']._serialized_end=1870
+  _globals['_PREFETCHPOLICY']._serialized_start=1872
+  _globals['_PREFETCHPOLICY']._serialized_end=1955
+  _globals['_PREFETCHOUTCOME']._serialized_start=1957
+  _globals['_PREFETCHOUTCOME']._serialized_end=2058
   _globals['_ATTACHREQUEST']._serialized_start=69
   _globals['_ATTACHREQUEST']._serialized_end=118
   _globals['_ATTACHEVENT']._serialized_start=120
@@ -53,33 +53,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENDTURNREQUEST']._serialized_start=480
   _globals['_ENDTURNREQUEST']._serialized_end=623
   _globals['_ENDTURNREPLY']._serialized_start=625
-  _globals['_ENDTURNREPLY']._serialized_end=716
-  _globals['_RESERVEREPLY']._serialized_start=718
-  _globals['_RESERVEREPLY']._serialized_end=767
-  _globals['_FLAGSREPLY']._serialized_start=769
-  _globals['_FLAGSREPLY']._serialized_end=796
-  _globals['_COUNTREPLY']._serialized_start=798
-  _globals['_COUNTREPLY']._serialized_end=825
-  _globals['_LOOKUPREPLY']._serialized_start=827
-  _globals['_LOOKUPREPLY']._serialized_end=873
-  _globals['_ACQUIREREPLY']._serialized_start=875
-  _globals['_ACQUIREREPLY']._serialized_end=906
-  _globals['_PREFETCHREQUEST']._serialized_start=909
-  _globals['_PREFETCHREQUEST']._serialized_end=1043
-  _globals['_PREFETCHREPLY']._serialized_start=1045
-  _globals['_PREFETCHREPLY']._serialized_end=1156
-  _globals['_STATREQUEST']._serialized_start=1158
-  _globals['_STATREQUEST']._serialized_end=1171
-  _globals['_CLIENTINFO']._serialized_start=1173
-  _globals['_CLIENTINFO']._serialized_end=1266
-  _globals['_REPORTLOADREQUEST']._serialized_start=1269
-  _globals['_REPORTLOADREQUEST']._serialized_end=1407
-  _globals['_REPORTLOADREPLY']._serialized_start=1409
-  _globals['_REPORTLOADREPLY']._serialized_end=1464
-  _globals['_STATREPLY']._serialized_start=1467
-  _globals['_STATREPLY']._serialized_end=1778
-  _globals['_STATREPLY_COUNTERSENTRY']._serialized_start=1731
-  _globals['_STATREPLY_COUNTERSENTRY']._serialized_end=1778
-  _globals['_LOCALSERVICE']._serialized_start=2040
-  _globals['_LOCALSERVICE']._serialized_end=2876
+  _globals['_ENDTURNREPLY']._serialized_end=737
+  _globals['_RESERVEREPLY']._serialized_start=739
+  _globals['_RESERVEREPLY']._serialized_end=788
+  _globals['_FLAGSREPLY']._serialized_start=790
+  _globals['_FLAGSREPLY']._serialized_end=817
+  _globals['_COUNTREPLY']._serialized_start=819
+  _globals['_COUNTREPLY']._serialized_end=846
+  _globals['_LOOKUPREPLY']._serialized_start=848
+  _globals['_LOOKUPREPLY']._serialized_end=894
+  _globals['_ACQUIREREPLY']._serialized_start=896
+  _globals['_ACQUIREREPLY']._serialized_end=927
+  _globals['_PREFETCHREQUEST']._serialized_start=930
+  _globals['_PREFETCHREQUEST']._serialized_end=1064
+  _globals['_PREFETCHREPLY']._serialized_start=1066
+  _globals['_PREFETCHREPLY']._serialized_end=1177
+  _globals['_STATREQUEST']._serialized_start=1179
+  _globals['_STATREQUEST']._serialized_end=1192
+  _globals['_CLIENTINFO']._serialized_start=1194
+  _globals['_CLIENTINFO']._serialized_end=1287
+  _globals['_REPORTLOADREQUEST']._serialized_start=1290
+  _globals['_REPORTLOADREQUEST']._serialized_end=1428
+  _globals['_REPORTLOADREPLY']._serialized_start=1430
+  _globals['_REPORTLOADREPLY']._serialized_end=1485
+  _globals['_STATREPLY']._serialized_start=1488
+  _globals['_STATREPLY']._serialized_end=1799
+  _globals['_STATREPLY_COUNTERSENTRY']._serialized_start=1752
+  _globals['_STATREPLY_COUNTERSENTRY']._serialized_end=1799
+  _globals['_LOCALSERVICE']._serialized_start=2061
+  _globals['_LOCALSERVICE']._serialized_end=2897
 # @@protoc_insertion_point(module_scope)

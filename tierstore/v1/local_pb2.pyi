@@ -106,16 +106,18 @@ class EndTurnRequest(_message.Message):
     def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., session: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., wait: _Optional[bool] = ..., replica_target: _Optional[str] = ...) -> None: ...
 
 class EndTurnReply(_message.Message):
-    __slots__ = ("replica_target", "replicating", "pushed", "push_s")
+    __slots__ = ("replica_target", "replicating", "pushed", "push_s", "push_tail_s")
     REPLICA_TARGET_FIELD_NUMBER: _ClassVar[int]
     REPLICATING_FIELD_NUMBER: _ClassVar[int]
     PUSHED_FIELD_NUMBER: _ClassVar[int]
     PUSH_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_TAIL_S_FIELD_NUMBER: _ClassVar[int]
     replica_target: str
     replicating: bool
     pushed: int
     push_s: float
-    def __init__(self, replica_target: _Optional[str] = ..., replicating: _Optional[bool] = ..., pushed: _Optional[int] = ..., push_s: _Optional[float] = ...) -> None: ...
+    push_tail_s: float
+    def __init__(self, replica_target: _Optional[str] = ..., replicating: _Optional[bool] = ..., pushed: _Optional[int] = ..., push_s: _Optional[float] = ..., push_tail_s: _Optional[float] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("statuses", "offsets")

@@ -91,20 +91,22 @@ class ReplicateRequest(_message.Message):
     def __init__(self, layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[bytes] = ..., source: _Optional[str] = ..., session: _Optional[str] = ..., deadline_s: _Optional[float] = ...) -> None: ...
 
 class ReplicateReply(_message.Message):
-    __slots__ = ("offered", "missing", "imported", "rejected", "import_s", "bytes")
+    __slots__ = ("offered", "missing", "imported", "rejected", "import_s", "bytes", "tail_s")
     OFFERED_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     IMPORTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     IMPORT_S_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    TAIL_S_FIELD_NUMBER: _ClassVar[int]
     offered: int
     missing: int
     imported: int
     rejected: int
     import_s: float
     bytes: int
-    def __init__(self, offered: _Optional[int] = ..., missing: _Optional[int] = ..., imported: _Optional[int] = ..., rejected: _Optional[int] = ..., import_s: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...
+    tail_s: float
+    def __init__(self, offered: _Optional[int] = ..., missing: _Optional[int] = ..., imported: _Optional[int] = ..., rejected: _Optional[int] = ..., import_s: _Optional[float] = ..., bytes: _Optional[int] = ..., tail_s: _Optional[float] = ...) -> None: ...
 
 class PeerStatRequest(_message.Message):
     __slots__ = ()
