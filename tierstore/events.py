@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierstore.keys import BlockKey
+from tierstore.keys import KEY_BYTES, BlockKey
 from tierstore.tiers.base import TierName
 
 
@@ -64,7 +64,7 @@ class BlockEventLog:
             while (self._keys > self.max_keys or len(self._batches) > self.max_batches) and len(
                 self._batches
             ) > 1:
-                self._keys -= len(self._batches.popleft().keys) // 32
+                self._keys -= len(self._batches.popleft().keys) // KEY_BYTES
             self._cond.notify_all()
 
     def retained_from(self) -> int:
@@ -77,13 +77,10 @@ class BlockEventLog:
         one; [] if none came; None if batches after ``seq`` were dropped
         already (the caller must resynchronise)."""
         with self._cond:
-            if seq < self._seq:
-                first = self._batches[0].seq if self._batches else self._seq + 1
-                if seq + 1 < first:
-                    return None
-            elif not self._cond.wait_for(lambda: self._seq > seq, timeout=timeout_s):
+            if not self._cond.wait_for(lambda: self._seq > seq, timeout=timeout_s):
                 return []
-            if self._batches and seq + 1 < self._batches[0].seq:
-                return None  # trimmed while we waited
-            start = seq + 1 - self._batches[0].seq
+            first = self._batches[0].seq  # a batch was recorded, and one is always kept
+            if seq + 1 < first:
+                return None
+            start = seq + 1 - first
             return list(itertools.islice(self._batches, start, start + limit))

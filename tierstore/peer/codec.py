@@ -80,10 +80,5 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.dctx
 
 
-def max_payload_bytes(block_bytes: int) -> int:
-    """Upper bound of a frame's payload: a compressed block never exceeds this."""
-    return block_bytes
-
-
 def end_frame() -> bytes:
     return FRAME.pack(b"\0" * 32, b"\0" * 32, 0, 0, FLAG_END)

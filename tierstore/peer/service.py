@@ -69,13 +69,13 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         tier: PeerTier,
         data: DataServer,
         cfg: PeerConfig,
-        loads: LoadBoard | None = None,
+        loads: LoadBoard,
     ) -> None:
         self.store = store
         self.tier = tier
         self.data = data
         self.cfg = cfg
-        self.loads = loads if loads is not None else LoadBoard(10.0)
+        self.loads = loads
         self.bad_requests = 0
         self.stopping = threading.Event()
         self._watch_lock = threading.Lock()
@@ -221,7 +221,7 @@ def server_ssl_context(cfg: PeerConfig) -> ssl.SSLContext | None:
 class PeerServer:
     """The peer gRPC server, its data channel and the peer tier."""
 
-    def __init__(self, store: TieredStore, cfg: PeerConfig, loads: LoadBoard | None = None) -> None:
+    def __init__(self, store: TieredStore, cfg: PeerConfig, loads: LoadBoard) -> None:
         token = cfg.token()
         if not token:
             raise TierstoreError(

@@ -309,17 +309,15 @@ class PeerTier:
         keys: list[BlockKey],
         num_tokens: int,
         wait: bool,
-        target: str | None = None,
+        target: str | None,
     ) -> _Push | None:
         """Remember the session's keys and queue its replica push to ``target``
-        (a peer a router chose) or, if None, to its rendezvous spill host."""
+        (a router's choice or the rendezvous spill host; None: no push)."""
         with self._lock:
             self._sessions[session] = (layout, keys)
             self._sessions.move_to_end(session)
             while len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
-        if target is None:
-            target = self.spill_target(session)
         if target is None or num_tokens < self.cfg.min_tokens or not keys:
             return None
         push = _Push(session, layout, keys, target)

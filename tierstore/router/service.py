@@ -10,7 +10,6 @@ shared with the CLI.
 from __future__ import annotations
 
 import logging
-import threading
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -37,13 +36,8 @@ MAX_MESSAGE_BYTES = 36 << 20  # 4 Mi token ids as int64, with room
 class RouterServicer(router_pb2_grpc.RouterServiceServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
-        self.requests = 0
-        self.bad_requests = 0
-        self._lock = threading.Lock()
 
     def Route(self, request: router_pb2.RouteRequest, context: Any) -> router_pb2.RouteReply:
-        with self._lock:
-            self.requests += 1
         try:
             layout, keys, num_tokens = parse_request(request)
             plan = self.router.route(
@@ -56,8 +50,6 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
                 loads={h: load_from_proto(m) for h, m in request.loads.items()},
             )
         except (TierstoreError, ValueError) as e:
-            with self._lock:
-                self.bad_requests += 1
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return plan_to_proto(plan)
 
