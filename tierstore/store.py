@@ -25,6 +25,7 @@ from tierstore.config import StoreConfig
 from tierstore.errors import BlockSizeError, LayoutError
 from tierstore.events import BlockEventLog
 from tierstore.keys import BlockKey, KVLayout, check_keys
+from tierstore.memcopy import copy_into
 from tierstore.policies import make_admission_policy, make_eviction_policy
 from tierstore.ratelog import RateLimitedLog
 from tierstore.replicas import ReplicaLedger
@@ -203,7 +204,7 @@ class TieredStore:
         reservations = self.reserve(layout, keys)
         for res, view in zip(reservations, views):
             if res.status == ReserveStatus.OK:
-                self.arena.buf[res.offset : res.offset + len(view)] = view
+                copy_into(self.arena.view(res.offset, len(view)), view)
         self.commit([r.key for r in reservations if r.status == ReserveStatus.OK])
         for res in reservations:
             held.append(res.status != ReserveStatus.FULL)
