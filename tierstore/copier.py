@@ -46,6 +46,9 @@ class ArenaCopier:
             # slower than memcpy.
             copy_into(dst.numpy(), src.numpy())
         elif self._stream is not None:
+            # The side stream must not start before the work already queued on
+            # the engine's stream (the kernels that wrote ``src``) has run.
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
             with torch.cuda.stream(self._stream):
                 dst.copy_(src, non_blocking=True)
         else:
