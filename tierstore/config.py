@@ -57,6 +57,7 @@ class StoreConfig:
     nvme_admission: str = "always"  # always | seen_twice: which evicted blocks are spilled
     demote_batch_blocks: int = 32  # blocks spilled per NVMe write batch (one fsync)
     promote_wait_s: float = 10.0  # longest wait for another thread's promotion of a block
+    nvme_read_depth: int = 4  # NVMe reads in flight while one request promotes blocks
     event_log_keys: int = 1 << 18  # tier changes kept for routers' WatchBlocks streams (keys)
 
     def __post_init__(self) -> None:
@@ -71,6 +72,8 @@ class StoreConfig:
             )
         if self.demote_batch_blocks < 1:
             raise ConfigError(f"demote_batch_blocks must be >= 1, got {self.demote_batch_blocks}")
+        if self.nvme_read_depth < 1:
+            raise ConfigError(f"nvme_read_depth must be >= 1, got {self.nvme_read_depth}")
         if self.promote_wait_s <= 0:
             raise ConfigError(f"promote_wait_s must be > 0, got {self.promote_wait_s}")
         if self.event_log_keys < 1:
