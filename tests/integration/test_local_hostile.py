@@ -695,7 +695,7 @@ def test_sigkilled_client_releases_pins_and_reservations(
     assert bool((got.blocks == 7).all())
 
 
-# -- known bugs (xfail strict: a fix makes them pass, then drop the marker) ---------------------
+# -- regressions: oversize blocks, layout mix-ups, client ids, cancelled attaches -------------
 
 
 def _register(stub: Any, layout: common_pb2.Layout) -> bytes:
