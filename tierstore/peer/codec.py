@@ -9,6 +9,9 @@ against the layout's block size before a byte is read into memory.
 Compression is zstd (level 1) over a byte-plane split of 2-byte dtypes
 (fp16/bf16): all low bytes, then all high bytes, so that the exponent bytes
 sit together and compress. A block that does not shrink is sent raw.
+A payload is decompressed only into exactly its block's size: a frame that
+declares another size is refused before any memory is set aside for it (a
+few KiB of zstd can declare gigabytes).
 
 Pure functions; safe from any thread.
 """
@@ -50,11 +53,20 @@ def compress(block: memoryview, layout: KVLayout) -> bytes | None:
 
 
 def decompress_into(payload: memoryview, out: memoryview) -> None:
-    """Undo ``compress`` into ``out`` (exactly the block's size) or raise ValueError."""
+    """Undo ``compress`` into ``out`` (exactly the block's size) or raise
+    ValueError: the payload comes from the network and may be anything."""
     n = len(out)
     if n % 2:
         raise ValueError(f"byte-split blocks have an even size, got {n}")
-    planes = _decompressor().decompress(payload, max_output_size=n)
+    try:
+        # max_output_size bounds only frames that omit their size; a declared
+        # size is allocated as declared, so it is checked first.
+        declared = zstandard.frame_content_size(payload)
+        if declared not in (n, -1):
+            raise ValueError(f"the frame declares {declared} bytes, expected {n}")
+        planes = _decompressor().decompress(payload, max_output_size=n)
+    except zstandard.ZstdError as e:
+        raise ValueError(f"not a zstd frame of this block: {e}") from e
     if len(planes) != n:
         raise ValueError(f"decompressed {len(planes)} bytes, expected {n}")
     raw = np.frombuffer(planes, dtype=np.uint8)
