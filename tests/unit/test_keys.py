@@ -10,6 +10,7 @@ import blake3
 import numpy as np
 import pytest
 
+import tierstore.keys
 from tierstore.errors import KeyFormatError, LayoutError
 from tierstore.keys import KEY_VERSION, KVLayout, chain_keys, check_key, root_key
 
@@ -23,7 +24,19 @@ GOLDEN_KEYS = [  # chain_keys(GOLDEN, range(10)): two full blocks, the last 2 to
 GOLDEN_TP1_FIRST = "029fcb2ff3636fde41d6ebc01aacdd1232e5cf218e84266f3a7b8e57016d6281"
 
 
-def test_golden_vectors() -> None:
+@pytest.fixture(params=["c", "python"])
+def chain_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through the C chain loop (when built) and through the
+    pure-Python fallback that installs without a compiler use."""
+    if request.param == "c":
+        if tierstore.keys._c_chain is None:
+            pytest.skip("the C extension tierstore._chainhash is not built")
+    else:
+        monkeypatch.setattr(tierstore.keys, "_c_chain", None)
+    return str(request.param)
+
+
+def test_golden_vectors(chain_impl: str) -> None:
     assert GOLDEN.fingerprint.hex() == GOLDEN_FINGERPRINT
     assert root_key(GOLDEN).hex() == GOLDEN_ROOT
     assert [k.hex() for k in chain_keys(GOLDEN, list(range(10)))] == GOLDEN_KEYS
@@ -31,7 +44,7 @@ def test_golden_vectors() -> None:
     assert chain_keys(tp1, list(range(4)))[0].hex() == GOLDEN_TP1_FIRST
 
 
-def test_matches_reference_definition() -> None:
+def test_matches_reference_definition(chain_impl: str) -> None:
     """key[i] = blake3(key[i-1] || LE uint32 tokens), key[-1] = blake3(tag || fp)."""
     tokens = np.random.default_rng(0).integers(0, 2**32, size=37, dtype=np.uint64)
     prev = blake3.blake3(KEY_VERSION + GOLDEN.fingerprint).digest()
@@ -43,7 +56,7 @@ def test_matches_reference_definition() -> None:
     assert chain_keys(GOLDEN, tokens) == expected
 
 
-def test_input_types_agree() -> None:
+def test_input_types_agree(chain_impl: str) -> None:
     tokens = list(range(1000, 1064))
     as_list = chain_keys(GOLDEN, tokens)
     assert chain_keys(GOLDEN, np.array(tokens, dtype=np.int64)) == as_list
@@ -52,7 +65,7 @@ def test_input_types_agree() -> None:
     assert chain_keys(GOLDEN, torch.tensor(tokens)) == as_list
 
 
-def test_changed_token_changes_that_block_and_later_only() -> None:
+def test_changed_token_changes_that_block_and_later_only(chain_impl: str) -> None:
     tokens = list(range(64))
     base = chain_keys(GOLDEN, tokens)
     for j in range(len(base)):
@@ -63,11 +76,23 @@ def test_changed_token_changes_that_block_and_later_only() -> None:
         assert all(a != b for a, b in zip(keys[j:], base[j:]))
 
 
-def test_parent_continues_the_chain() -> None:
+def test_parent_continues_the_chain(chain_impl: str) -> None:
     tokens = list(range(40))
     whole = chain_keys(GOLDEN, tokens)
     first = chain_keys(GOLDEN, tokens[:16])
     assert first + chain_keys(GOLDEN, tokens[16:], parent=first[-1]) == whole
+
+
+def test_c_and_python_chains_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    if tierstore.keys._c_chain is None:
+        pytest.skip("the C extension tierstore._chainhash is not built")
+    tokens = np.random.default_rng(1).integers(0, 2**32, size=16 * 500 + 7, dtype=np.uint64)
+    layout = KVLayout("m", 2, 2, 8, "float16", 16)
+    parent = chain_keys(layout, tokens[:16])[0]
+    from_c = chain_keys(layout, tokens), chain_keys(layout, tokens[16:], parent=parent)
+    monkeypatch.setattr(tierstore.keys, "_c_chain", None)
+    from_python = chain_keys(layout, tokens), chain_keys(layout, tokens[16:], parent=parent)
+    assert len(from_c[0]) == 500 and from_c == from_python
 
 
 def test_layout_scopes_keys() -> None:
