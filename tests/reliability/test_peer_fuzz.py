@@ -25,7 +25,12 @@ from ..integration.sidecar import SidecarProcess
 LAYOUT = KVLayout("fuzz-model", 2, 2, 64, "float16", 8)
 TOKEN = "fuzz-token"
 SERVICE = "/tierstore.v1.PeerService/"
-METHODS = ("Lookup", "OpenFetch", "Replicate", "PeerStat")
+METHODS = ("Lookup", "OpenFetch", "Replicate", "PeerStat")  # unary: fuzzed
+# Every method of the service, streaming ones included: a method added to
+# peer.proto is covered by the token test without editing this list.
+ALL_METHODS = {
+    m.name: m.server_streaming for m in peer_pb2.DESCRIPTOR.services_by_name["PeerService"].methods
+}
 NUM_CASES = 2000
 CALL_TIMEOUT_S = 2.0
 BUDGET_S = 60.0
@@ -142,10 +147,16 @@ def test_every_peer_method_needs_the_exact_token(tmp_path: Path, token: str) -> 
     proc = SidecarProcess(tmp_path, "--set", f"peer_port={port}", "--set", f"peer_token={TOKEN}")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            for method in METHODS:
-                call = channel.unary_unary(SERVICE + method)
+            for method, streaming in ALL_METHODS.items():
+                meta = (("authorization", token),)
                 with pytest.raises(grpc.RpcError) as err:
-                    call(b"", timeout=CALL_TIMEOUT_S, metadata=(("authorization", token),))
-                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    if streaming:
+                        call = channel.unary_stream(SERVICE + method)
+                        next(iter(call(b"", timeout=CALL_TIMEOUT_S, metadata=meta)))
+                    else:
+                        channel.unary_unary(SERVICE + method)(
+                            b"", timeout=CALL_TIMEOUT_S, metadata=meta
+                        )
+                assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, method
     finally:
         proc.stop()
