@@ -14,6 +14,7 @@ import dataclasses
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,7 @@ class PeerConfig:
     tls_key_file: str = ""  # PEM key of tls_cert_file
     tls_ca_file: str = ""  # PEM CA: verify peers (and, serving, require client certs: mTLS)
     min_tokens: int = 8192  # turns shorter than this are not replicated
-    replica_bytes: int = 4 << 30  # space given to other hosts' replicas (max_gib)
+    replica_bytes: int = 4 << 30  # space given to other hosts' replicas (alias: max_gib, in GiB)
     peer_lookup_timeout_s: float = 0.5  # deadline of a lookup across the group
     fetch_timeout_s: float = 30.0  # deadline of one transfer
     replicate_timeout_s: float = 20.0  # deadline of one replica push (below client timeouts)
@@ -158,6 +159,8 @@ class PeerConfig:
             raise ConfigError(f"compression must be auto, none or zstd, got {self.compression!r}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("tls_cert_file and tls_key_file must be set together")
+        if self.replica_bytes < 0:
+            raise ConfigError(f"replica_bytes must be >= 0, got {self.replica_bytes}")
         for name in ("min_tokens", "max_transfers", "replicate_queue_max", "max_watchers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -309,6 +312,27 @@ def _coerce(name: str, annotation: str, value: Any) -> Any:
     return value
 
 
+def _gib_to_bytes(name: str, value: Any) -> int:
+    """``max_gib = 1.5`` -> 1.5 GiB in bytes."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        gib = float(value)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name}: cannot read {value!r} as GiB (a number, e.g. 4 or 0.5)") from e
+    if not 0 <= gib < 2**33:  # also refuses nan and inf
+        raise ConfigError(f"{name} must be a number of GiB >= 0, got {value!r}")
+    return int(gib * 2**30)
+
+
+# Other names of settings, as the design names them: alias -> (setting, the
+# alias's value in the setting's unit). kv_share's replica budget is
+# ``max_gib`` in the design and ``replica_bytes`` here (units in names).
+ALIASES: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "max_gib": ("replica_bytes", _gib_to_bytes),
+}
+
+
 def _field_index() -> dict[str, tuple[str, str]]:
     index: dict[str, tuple[str, str]] = {}
     for section, cls in SECTIONS.items():
@@ -329,12 +353,21 @@ def load_config(
         path = environ[ENV_PREFIX + "CONFIG"]
     index = _field_index()
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    given: dict[str, str] = {}  # setting -> the name that set it, in the layer being read
 
     def put(name: str, value: Any, origin: str) -> None:
-        if name not in index:
-            raise ConfigError(f"{origin}: unknown setting {name!r}; known: {sorted(index)}")
-        section, annotation = index[name]
-        values[section][name] = _coerce(name, annotation, value)
+        if name in ALIASES:
+            target, convert = ALIASES[name]
+            value = convert(name, value)
+        else:
+            target = name
+        if target not in index:
+            known = sorted([*index, *ALIASES])
+            raise ConfigError(f"{origin}: unknown setting {name!r}; known: {known}")
+        if given.setdefault(target, name) != name:
+            raise ConfigError(f"{origin}: {given[target]} and {name} both set {target}; keep one")
+        section, annotation = index[target]
+        values[section][target] = _coerce(target, annotation, value)
 
     if path is not None:
         try:
@@ -352,9 +385,11 @@ def load_config(
                     put(name, inner, f"{path} [{key}]")
             else:
                 put(key, value, str(path))
+    given.clear()  # a later layer overrides an earlier one under either name
     for var, value in environ.items():
         if var.startswith(ENV_PREFIX) and var != ENV_PREFIX + "CONFIG":
             put(var[len(ENV_PREFIX) :].lower(), value, f"environment variable {var}")
+    given.clear()
     for name, value in (overrides or {}).items():
         if value is not None:
             put(name, value, "command line")

@@ -70,3 +70,40 @@ def test_config_file_from_environment(tmp_path) -> None:
 def test_log_level_is_checked() -> None:
     with pytest.raises(ConfigError, match="log_level"):
         load_config(env={}, overrides={"log_level": "loud"})
+
+
+def test_max_gib_is_the_replica_budget_in_gib(tmp_path) -> None:
+    """The design's kv_share name: in the [peer] table, flat, env and --set."""
+    table = tmp_path / "t.toml"
+    table.write_text("[peer]\nmax_gib = 1.5\n")
+    assert load_config(table, env={}).peer.replica_bytes == 3 << 29
+    flat = tmp_path / "flat.toml"
+    flat.write_text("max_gib = 2\n")
+    assert load_config(flat, env={}).peer.replica_bytes == 2 << 30
+    assert load_config(env={"TIERSTORE_MAX_GIB": "0.25"}).peer.replica_bytes == 1 << 28
+    assert load_config(env={}, overrides={"max_gib": "0"}).peer.replica_bytes == 0
+    # A later layer wins under either name.
+    cfg = load_config(table, env={"TIERSTORE_REPLICA_BYTES": "1GiB"})
+    assert cfg.peer.replica_bytes == 1 << 30
+    cfg = load_config(env={"TIERSTORE_REPLICA_BYTES": "1GiB"}, overrides={"max_gib": 3})
+    assert cfg.peer.replica_bytes == 3 << 30
+
+
+@pytest.mark.parametrize("value", ["lots", -1, True, "nan", "inf"])
+def test_bad_max_gib_names_the_setting(value) -> None:
+    with pytest.raises(ConfigError, match="max_gib"):
+        load_config(env={}, overrides={"max_gib": value})
+
+
+def test_max_gib_and_replica_bytes_in_one_layer_is_an_error(tmp_path) -> None:
+    path = tmp_path / "t.toml"
+    path.write_text('[peer]\nreplica_bytes = "1GiB"\nmax_gib = 2\n')
+    with pytest.raises(ConfigError, match="replica_bytes and max_gib both set replica_bytes"):
+        load_config(path, env={})
+    with pytest.raises(ConfigError, match="both set replica_bytes"):
+        load_config(env={"TIERSTORE_MAX_GIB": "1", "TIERSTORE_REPLICA_BYTES": "1GiB"})
+
+
+def test_negative_replica_budget_is_refused() -> None:
+    with pytest.raises(ConfigError, match="replica_bytes"):
+        load_config(env={}, overrides={"replica_bytes": -1})

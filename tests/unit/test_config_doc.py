@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.config import SECTIONS, load_config, parse_bytes
+from tierstore.config import ALIASES, SECTIONS, load_config, parse_bytes
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 ROW = re.compile(r"^\| `([a-z0-9_]+)` \| (.+?) \|", re.M)
@@ -21,7 +21,14 @@ def _rows() -> dict[str, str]:
 
 
 def test_every_setting_has_one_row() -> None:
-    assert set(_rows()) == set(FIELDS)
+    assert set(_rows()) == set(FIELDS) | set(ALIASES)
+
+
+@pytest.mark.parametrize("alias", sorted(ALIASES))
+def test_documented_default_of_an_alias_is_its_settings_default(alias: str) -> None:
+    target, convert = ALIASES[alias]
+    literal = _rows()[alias].strip("`")
+    assert convert(alias, literal) == getattr(FIELDS[target](), target)
 
 
 @pytest.mark.parametrize("name", sorted(FIELDS))
