@@ -8,9 +8,9 @@ to DRAM on hit and pin), forced ``demote`` and ``drop``, ``stat``.
 Threads: any number of caller threads; one background *demoter* thread that
 spills least-valuable DRAM blocks to NVMe once DRAM usage passes the high
 watermark, until it is under the low one. A caller that finds DRAM full
-evicts synchronously. Eviction is serialised by one lock; promotions of the
-same key are coalesced (one NVMe read, the others wait for it, bounded by
-``promote_wait_s``).
+evicts synchronously. Eviction is serialised by one lock; promotion from
+NVMe (several reads in flight, same-key promotions coalesced) is
+``tierstore.promoter``'s.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tierstore.config import StoreConfig
@@ -27,6 +27,7 @@ from tierstore.events import BlockEventLog
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.memcopy import copy_into
 from tierstore.policies import make_admission_policy, make_eviction_policy
+from tierstore.promoter import STORE_OWNER, Promoter
 from tierstore.ratelog import RateLimitedLog
 from tierstore.replicas import ReplicaLedger
 from tierstore.tiers.arena import Arena
@@ -36,8 +37,6 @@ from tierstore.tiers.nvme import NvmeTier, block_digest
 
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)
-
-STORE_OWNER = 0  # owner id of reservations and pins made by the store itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,11 +69,6 @@ class StoreCounters:
     spill_skipped_admission: int = 0
     spill_failures: int = 0
     dropped_blocks: int = 0
-
-
-@dataclass(slots=True)
-class _Promotion:
-    done: threading.Event = field(default_factory=threading.Event)
 
 
 class TieredStore:
@@ -115,8 +109,7 @@ class TieredStore:
         self.counters = StoreCounters()  # written under _evict_lock or _counters_lock
         self._counters_lock = threading.Lock()
         self._evict_lock = threading.Lock()
-        self._promotions: dict[BlockKey, _Promotion] = {}
-        self._promotions_lock = threading.Lock()
+        self.promoter = Promoter(self, config.nvme_read_depth)
         # Blocks imported for other hosts (kv_share): evicted before the
         # host's own blocks and bounded by a budget.
         self.replicas = ReplicaLedger()
@@ -176,7 +169,7 @@ class TieredStore:
                 out.append(Reservation(key, ReserveStatus.EXISTS))
                 continue
             status, entry = self.dram.reserve(key, fp, nbytes, owner)
-            if status == ReserveStatus.FULL and self._make_room(nbytes):
+            if status == ReserveStatus.FULL and self.make_room(nbytes):
                 status, entry = self.dram.reserve(key, fp, nbytes, owner)
             offset = entry.offset if status == ReserveStatus.OK and entry is not None else -1
             out.append(Reservation(key, status, offset))
@@ -184,7 +177,7 @@ class TieredStore:
 
     def commit(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> list[bool]:
         done = self.dram.commit(check_keys(keys), owner)
-        self._maybe_wake_demoter()
+        self.maybe_wake_demoter()
         return done
 
     def abort(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> int:
@@ -240,7 +233,8 @@ class TieredStore:
         self, layout: KVLayout, keys: Sequence[BlockKey], owner: int = STORE_OWNER
     ) -> list[DramEntry]:
         """Pin the longest available prefix of ``keys`` in DRAM, promoting
-        blocks from NVMe as needed. The caller reads each entry's bytes via
+        blocks from NVMe as needed (several reads in flight, see
+        ``tierstore.promoter``). The caller reads each entry's bytes via
         ``view`` and must ``release`` the returned keys with the same owner."""
         keys = check_keys(keys)
         fp = self.register_layout(layout)
@@ -253,17 +247,15 @@ class TieredStore:
                     # only a confused caller gets here): a miss, never a read
                     # of the wrong size.
                     self.dram.unpin([key], owner)
-                    pinned[i] = entry = None
-                if entry is None:
-                    entry = self._promote(layout, key, owner)
+                    pinned[i] = None
+            self.promoter.promote_missing(layout, keys, pinned, owner)
+            for entry in pinned:
                 if entry is None:
                     break
                 result.append(entry)
-        except BaseException:
-            self.dram.unpin([e.key for e in result], owner)
-            raise
         finally:
-            rest = [k for k, e in zip(keys[len(result) + 1 :], pinned[len(result) + 1 :]) if e]
+            # Everything pinned past the prefix kept (all of it on an error).
+            rest = [k for k, e in zip(keys[len(result) :], pinned[len(result) :]) if e]
             self.dram.unpin(rest, owner)
         return result
 
@@ -353,7 +345,12 @@ class TieredStore:
             n += self.nvme.remove(keys)
         return n
 
-    def _make_room(self, nbytes: int) -> bool:
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to one of ``counters`` (thread-safe)."""
+        with self._counters_lock:
+            setattr(self.counters, counter, getattr(self.counters, counter) + n)
+
+    def make_room(self, nbytes: int) -> bool:
         """Evict synchronously until a slot of ``nbytes`` fits. False if it cannot."""
         if nbytes > self.dram.allocator.capacity_bytes:
             return False  # would never fit: evict nothing
@@ -421,7 +418,7 @@ class TieredStore:
         self.counters.dropped_blocks += dropped
         return dropped
 
-    def _maybe_wake_demoter(self) -> None:
+    def maybe_wake_demoter(self) -> None:
         if self.dram.used_bytes() > self._high_bytes:
             with self._wake:
                 self._wake.notify()
@@ -441,70 +438,6 @@ class TieredStore:
                     if not victims:
                         break
                     self._spill(victims)
-
-    # -- moving blocks up -----------------------------------------------------------
-
-    def _promote(self, layout: KVLayout, key: BlockKey, owner: int) -> DramEntry | None:
-        """Read ``key`` from NVMe into a DRAM slot and pin it for ``owner``."""
-        if self.nvme is None:
-            return None
-        with self._promotions_lock:
-            running = self._promotions.get(key)
-            if running is None:
-                self._promotions[key] = _Promotion()
-        if running is not None:
-            running.done.wait(self.config.promote_wait_s)
-            return self._pin_matching(key, layout.fingerprint, owner)
-        try:
-            return self._promote_now(layout, key, owner)
-        finally:
-            with self._promotions_lock:
-                self._promotions.pop(key).done.set()
-
-    def _pin_matching(self, key: BlockKey, layout_fp: bytes, owner: int) -> DramEntry | None:
-        entry = self.dram.pin([key], owner)[0]
-        if entry is not None and entry.layout_fp != layout_fp:
-            self.dram.unpin([key], owner)
-            return None
-        return entry
-
-    def _promote_now(self, layout: KVLayout, key: BlockKey, owner: int) -> DramEntry | None:
-        if not self.nvme:
-            return None
-        meta = self.nvme.meta(key)
-        nbytes = layout.block_bytes
-        if meta is None or meta.nbytes != nbytes or meta.layout_fp != layout.fingerprint:
-            return None  # absent, or stored under another layout: a miss
-        status, entry = self.dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
-        if status == ReserveStatus.FULL and self._make_room(nbytes):
-            status, entry = self.dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
-        if status == ReserveStatus.EXISTS:
-            return self._pin_matching(key, layout.fingerprint, owner)
-        if status != ReserveStatus.OK or entry is None:
-            with self._counters_lock:
-                self.counters.promotion_failures += 1
-            return None
-        slot = self.arena.view(entry.offset, self.dram.allocator.slot_bytes(nbytes))
-        before = meta
-        try:
-            got = self.nvme.read_into(key, slot)
-        except BaseException:
-            self.dram.abort([key], STORE_OWNER)
-            raise
-        after = self.nvme.meta(key)
-        if after is not None and before.digest == after.digest:
-            # The read verified the bytes against this digest: peers need not hash again.
-            entry.digest = before.digest
-        if got != nbytes:
-            self.dram.abort([key], STORE_OWNER)
-            with self._counters_lock:
-                self.counters.promotion_failures += 1
-            return None
-        self.dram.commit([key], STORE_OWNER, pin_for=owner)
-        with self._counters_lock:
-            self.counters.promotions += 1
-        self._maybe_wake_demoter()
-        return entry
 
     # -- inspection -------------------------------------------------------------------
 
@@ -538,6 +471,7 @@ class TieredStore:
             self._closing = True
             self._wake.notify_all()
         self._demoter.join(timeout=30)
+        self.promoter.close()
         with self._evict_lock:
             if self.nvme is not None:
                 self.nvme.close()

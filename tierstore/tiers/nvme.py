@@ -469,7 +469,7 @@ class NvmeTier:
 
     # -- reads -----------------------------------------------------------------
 
-    def read_into(self, key: BlockKey, out: Buffer) -> int | None:
+    def read_into(self, key: BlockKey, out: Buffer, *, in_parallel: bool = False) -> int | None:
         """Read the block into ``out[:nbytes]`` and verify it; returns nbytes or None.
 
         None is a miss: not held, or the stored bytes failed (short read, I/O
@@ -477,6 +477,12 @@ class NvmeTier:
         must be writable and at least nbytes long (else BlockSizeError); it
         is scribbled on even when None is returned. A page-aligned ``out`` is
         read into without a copy. Thread-safe; the slot is pinned meanwhile.
+
+        A lone read overlaps its own verify with the disk (chunked reads on a
+        helper thread, a multithreaded hash). ``in_parallel`` says the caller
+        keeps other reads in flight, which overlap instead: the block is read
+        in one request and hashed on this thread, with no extra threads to
+        crowd the cores.
         """
         key = check_key(key)
         view = memoryview(out).cast("B")
@@ -498,10 +504,11 @@ class NvmeTier:
         nbytes = entry.nbytes
         started = time.perf_counter()
         try:
-            hasher = _hasher(nbytes)
+            hasher = blake3.blake3() if in_parallel else _hasher(nbytes)
+            chunk_bytes = nbytes if in_parallel else READ_CHUNK_BYTES
             try:
                 got = self._file.read_streamed(
-                    entry.offset, nbytes, view, hasher.update, READ_CHUNK_BYTES
+                    entry.offset, nbytes, view, hasher.update, chunk_bytes
                 )
             except OSError as e:
                 if e.errno not in IO_ERRNOS:
