@@ -97,10 +97,15 @@ class PrefetchJob:
     available_blocks: int = 0
     late: bool = False
     cancelled: bool = False
+    outcome: Outcome | None = None  # DONE, LATE or CANCELLED once counted (exactly once)
 
 
 @dataclass
 class PrefetchCounters:
+    """``started``: best-effort prefetches answered at once. ``done``, ``late``,
+    ``cancelled``: the outcome of each prefetch, counted once per prefetch
+    (a best-effort one is counted again only if it is cancelled)."""
+
     started: int = 0
     done: int = 0
     late: int = 0
@@ -136,23 +141,29 @@ class Prefetcher:
             self._queue.put_nowait(job)
         except queue.Full:
             job.cancelled = True
-            self._count("cancelled")
-            return Outcome.CANCELLED, job
+            return self._settle(job, Outcome.CANCELLED), job
         wait_s = policy.wait_s(tokens)
         if wait_s <= 0:
             self._count("started")
             return Outcome.STARTED, job
-        finished = job.done.wait(wait_s)
-        if finished and not job.late and not job.cancelled:
-            self._count("done")
-            return Outcome.DONE, job
-        job.late = True  # the worker stops at its next chunk
-        self._count("late")
-        return Outcome.LATE, job
+        if not job.done.wait(wait_s):
+            job.late = True  # the worker stops at its next chunk
+        # close() may have cancelled (and counted) the job meanwhile: then that stands.
+        return self._settle(job, Outcome.LATE if job.late else Outcome.DONE), job
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
             setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    def _settle(self, job: PrefetchJob, outcome: Outcome) -> Outcome:
+        """Give ``job`` this outcome and count it, unless it has one already;
+        returns the outcome that stands."""
+        with self._lock:
+            if job.outcome is None:
+                job.outcome = outcome
+                name = outcome.name.lower()
+                setattr(self.counters, name, getattr(self.counters, name) + 1)
+            return job.outcome
 
     def _work(self) -> None:
         while True:
@@ -181,7 +192,10 @@ class Prefetcher:
                 return  # a gap: the rest of the prefix is not available
 
     def close(self) -> None:
-        """Cancel queued jobs and stop the workers."""
+        """Cancel the queued jobs (each counted as cancelled, unless its caller
+        already gave up on it as late) and stop the workers once their
+        running jobs end. A caller still waiting on a cancelled job gets
+        CANCELLED."""
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -189,6 +203,7 @@ class Prefetcher:
                 break
             if job is not None:
                 job.cancelled = True
+                self._settle(job, Outcome.CANCELLED)
                 job.done.set()
         for _ in self._threads:
             self._queue.put(None)
