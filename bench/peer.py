@@ -34,7 +34,14 @@ Prints one JSON object:
 - the same on Z with the ``zstd_`` prefix, and ``zstd_ratio``: bytes of the
   blocks over payload bytes on the wire (B's ``peer_fetched_bytes``);
 - ``memcpy_gbps`` and ``blake3_gbps`` (all threads, per 2 MiB block) of this
-  run: what receiving and verifying cost at best.
+  run: what receiving and verifying cost at best;
+- ``cpu_ceiling_gbps``: the most a fetch can reach when sender and receiver
+  share this machine's cores, from the same run's figures: raw TCP keeps
+  every core busy for 1/raw_tcp_gbps seconds per GB, and a first send hashes
+  each byte twice (sender, receiver) at blake3_gbps on every core, so
+  ``1 / (1/raw_tcp_gbps + 2/blake3_gbps)``; ``peer_fetch_vs_cpu_ceiling``.
+  On separate hosts the two hashes run on different machines and overlap
+  the stream, which is what ``peer_fetch_vs_raw_tcp``'s target assumes.
 
 With ``--profile DIR``, py-spy samples A (sender) and B (receiver) during
 PROFILE_ROUNDS more fetches of the delta (not in the figures) and DIR gets the
@@ -461,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     raw_after = raw_tcp_gbps(delta)
     raw = max(raw_before, raw_after)
     b, z = figures["b"], figures["z"]
+    ceiling = 1 / (1 / raw + 2 / result["blake3_gbps"])
     result.update(
         {
             "raw_tcp_gbps": raw,
@@ -470,6 +478,8 @@ def main(argv: list[str] | None = None) -> None:
             "peer_fetch_s": b["peer_fetch_s"],
             "peer_load_gbps": b["peer_load_gbps"],
             "peer_fetch_vs_raw_tcp": ratio(b["peer_fetch_gbps"], raw),
+            "cpu_ceiling_gbps": ceiling,
+            "peer_fetch_vs_cpu_ceiling": ratio(b["peer_fetch_gbps"], ceiling),
             "peer_load_vs_raw_tcp": ratio(b["peer_load_gbps"], raw),
             "import_s": b["import_s"],
             "import_gbps": b["import_gbps"],
