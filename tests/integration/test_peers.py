@@ -1,6 +1,8 @@
 """The peer tier between real sidecars on loopback: replica push (kv_share),
-pull on switch, residency answered by the tiers, replica budget, token
-authentication, and a peer that lies, stalls, drips or dies.
+pull on switch, residency answered by the tiers (HBM, DRAM, NVMe, peer),
+replica budget, token authentication, the plaintext warning, transfers with
+compression forced on, and a peer that lies, stalls, drips or dies (each
+counted apart: errors for dead, timeouts for stalled).
 
 Sidecars are real `tierstore serve` processes (tests/integration/sidecar.py);
 the lying peer is tests/integration/fakepeer.py, in this process. Every wait
@@ -11,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,6 +56,8 @@ COMMON = (
     "shutdown_grace_s=0.5",
 )
 REPLICA_BUDGET_BLOCKS = 64
+HBM_BLOCKS = 32  # the engine's device pool in the residency test
+PLAINTEXT_WARNING = "listens beyond loopback without TLS"
 
 
 # -- helpers -----------------------------------------------------------------------
@@ -156,16 +162,28 @@ def dram_stat(client: StoreClient) -> tuple[int, int]:
     raise AssertionError("no dram tier in stat")
 
 
-def cli_pins(sidecar: SidecarProcess) -> list[int]:
+def cli_stat(sidecar: SidecarProcess, *flags: str) -> str:
+    """What `tierstore stat` prints for ``sidecar``."""
     out = subprocess.run(
-        [sys.executable, "-m", "tierstore.cli", "stat", "--socket", str(sidecar.socket), "--json"],
+        [sys.executable, "-m", "tierstore.cli", "stat", "--socket", str(sidecar.socket), *flags],
         capture_output=True,
         text=True,
         timeout=30,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
         check=True,
     )
-    return [int(c.get("pins", 0)) for c in json.loads(out.stdout).get("clients", [])]
+    return out.stdout
+
+
+def cli_pins(sidecar: SidecarProcess) -> list[int]:
+    return [int(c.get("pins", 0)) for c in json.loads(cli_stat(sidecar, "--json"))["clients"]]
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The sidecar's /metrics, as name -> value (unlabelled series only)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_]+) (\S+)$", text, re.M)}
 
 
 def peer_stub(port: int) -> tuple[grpc.Channel, peer_pb2_grpc.PeerServiceStub]:
@@ -541,6 +559,8 @@ def test_killed_peer_is_a_miss_within_the_deadline(pair: list[SidecarProcess]) -
     keys, data = keys_of(tokens(n, 8_000_000)), fp16_blocks(n, 8)
     with StoreClient(str(a_proc.socket)) as a:
         a.store(L, keys, data)
+    with StoreClient(str(b_proc.socket)) as b:
+        before = counters(b)
     kill(a_proc)
     deadline_s = 2.0
     with StoreClient(str(b_proc.socket)) as b:
@@ -555,7 +575,11 @@ def test_killed_peer_is_a_miss_within_the_deadline(pair: list[SidecarProcess]) -
             assert time.monotonic() - t0 < deadline_s + 1.0
             assert res.num_blocks == n_local
             assert torch.equal(res.blocks[:n_local], data[:n_local])
-        assert counters(b)["peer_lookup_errors"] >= 3
+        # A dead peer refuses at once: errors, not timeouts.
+        after = counters(b)
+        assert after["peer_lookup_errors"] - before["peer_lookup_errors"] >= 3
+        assert after["peer_lookup_timeouts"] == before["peer_lookup_timeouts"]
+        assert after["peer_fetch_timeouts"] == before["peer_fetch_timeouts"]
         # A turn that ends now cannot push: counted, and the reply says nothing was pushed.
         reply = b.end_turn("after-kill", L, keys[:n_local], 8 * n_local + 64, wait=True)
         assert reply.pushed == 0
@@ -573,6 +597,7 @@ class FakeGroup:
         self.fake = FakePeer(TOKEN)
         self.quiet = FakePeer(TOKEN)
         self.port = free_port()
+        self.metrics_port = free_port()
         try:
             self.b = start(
                 root,
@@ -582,6 +607,8 @@ class FakeGroup:
                 f"peers={self.fake.address},{self.quiet.address}",
                 "--set",
                 "fetch_timeout_s=10",
+                "--set",
+                f"metrics_port={self.metrics_port}",
             )
         except BaseException:
             self.fake.close()
@@ -662,6 +689,8 @@ def test_hostile_stream_keeps_only_verified_blocks(
         assert (failures > 0) == verify_failure
         errors = after["peer_fetch_errors"] - before["peer_fetch_errors"]
         assert verify_failure or errors > 0
+        # The stream ended or lied before its deadline: an error, not a timeout.
+        assert after["peer_fetch_timeouts"] == before["peer_fetch_timeouts"]
         # Nothing reserved or pinned is left over: only the kept blocks use DRAM.
         assert dram_stat(b) == (used + bad_index * BLOCK, num + bad_index)
         assert cli_pins(fake_group.b) == [0]
@@ -674,7 +703,7 @@ def test_stalled_lookup_is_a_miss_within_the_deadline(
     keys, _ = give_fake(fake, 6)
     fake.configure("good", lookup_delay_s=10)
     with StoreClient(str(fake_group.b.socket)) as b:
-        errors = counters(b)["peer_lookup_errors"]
+        before = counters(b)
         t0 = time.monotonic()
         assert b.lookup(L, keys, include_peers=True).num_hits == 0
         assert time.monotonic() - t0 < 0.5 + 0.5  # peer_lookup_timeout_s
@@ -682,7 +711,10 @@ def test_stalled_lookup_is_a_miss_within_the_deadline(
         t0 = time.monotonic()
         assert b.load(L, keys, include_peers=True, deadline_s=deadline_s).num_blocks == 0
         assert time.monotonic() - t0 < deadline_s + 1.0
-        assert counters(b)["peer_lookup_errors"] - errors >= 2
+        # A stalled peer is counted as a timeout, not as a dead one.
+        after = counters(b)
+        assert after["peer_lookup_timeouts"] - before["peer_lookup_timeouts"] >= 2
+        assert after["peer_lookup_errors"] == before["peer_lookup_errors"]
         assert_b_still_serves(b)
 
 
@@ -702,6 +734,7 @@ def test_stalled_data_channel_keeps_what_verified(fake_group: FakeGroup, fake: F
     fake.configure("half_stall", bad_index=3)
     with StoreClient(str(fake_group.b.socket)) as b:
         used, num = dram_stat(b)
+        before = counters(b)
         deadline_s = 1.5
         t0 = time.monotonic()
         res = b.load(L, keys, include_peers=True, deadline_s=deadline_s)
@@ -710,6 +743,16 @@ def test_stalled_data_channel_keeps_what_verified(fake_group: FakeGroup, fake: F
         assert res.num_blocks == 3 and torch.equal(res.blocks[:3], data[:3])
         assert dram_stat(b) == (used + 3 * BLOCK, num + 3)
         assert cli_pins(fake_group.b) == [0]
+        # One transfer cut by its deadline: a timeout, not an error, in the
+        # stat, in `tierstore stat` and in /metrics.
+        after = counters(b)
+        assert after["peer_fetch_timeouts"] - before["peer_fetch_timeouts"] == 1
+        assert after["peer_fetch_errors"] == before["peer_fetch_errors"]
+        line = next(x for x in cli_stat(fake_group.b).splitlines() if x.startswith("peers"))
+        assert f"timeouts {after['peer_fetch_timeouts']}, bad blocks" in line
+        metrics = scrape(fake_group.metrics_port)
+        assert metrics["tierstore_peer_fetch_timeouts_total"] == after["peer_fetch_timeouts"]
+        assert metrics["tierstore_peer_fetch_errors_total"] == after["peer_fetch_errors"]
         assert_b_still_serves(b)
 
 
@@ -718,12 +761,15 @@ def test_dripping_data_channel_ends_at_the_deadline(fake_group: FakeGroup, fake:
     fake.configure("drip", bad_index=1)
     fake.drip_bytes, fake.drip_interval_s = 512, 0.2  # one block takes 3.2 s
     with StoreClient(str(fake_group.b.socket)) as b:
+        before = counters(b)
         deadline_s = 1.0
         t0 = time.monotonic()
         res = b.load(L, keys, include_peers=True, deadline_s=deadline_s)
         took = time.monotonic() - t0
         assert took < deadline_s + 0.5, f"load with deadline_s={deadline_s} took {took:.2f}s"
         assert res.num_blocks <= 1 and torch.equal(res.blocks[:1], data[:1])
+        timeouts = counters(b)["peer_fetch_timeouts"] - before["peer_fetch_timeouts"]
+        assert timeouts == 1
 
 
 def test_slow_push_target_does_not_hold_back_other_pushes(

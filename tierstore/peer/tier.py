@@ -172,12 +172,17 @@ class PeerClient:
 
 @dataclass
 class PeerCounters:
+    """A dead peer and a stalled one call for different fixes (restart it;
+    look at its load or the link), so their misses are counted apart."""
+
     lookups: int = 0
-    lookup_errors: int = 0  # timeouts, refusals, dead peers
+    lookup_errors: int = 0  # a peer refused, unreachable or reset (dead)
+    lookup_timeouts: int = 0  # a peer that did not answer by the deadline (stalled)
     fetches: int = 0
     fetched_blocks: int = 0
-    fetched_bytes: int = 0
-    fetch_errors: int = 0
+    fetched_bytes: int = 0  # payload bytes on the wire (compressed where it was)
+    fetch_errors: int = 0  # transfers that failed before their deadline: refused, reset, bad stream
+    fetch_timeouts: int = 0  # transfers cut by their deadline: a peer or link that stalled
     fetch_verify_failures: int = 0
     pushes: int = 0
     pushed_blocks: int = 0
@@ -250,8 +255,9 @@ class PeerTier:
         for addr, fut in futures.items():
             try:
                 hits = fut.result().num_hits
-            except grpc.RpcError:
-                self.count("lookup_errors")
+            except grpc.RpcError as e:
+                stalled = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                self.count("lookup_timeouts" if stalled else "lookup_errors")
                 continue
             if hits > best[1]:
                 best = (self.clients[addr], hits)
@@ -276,7 +282,7 @@ class PeerTier:
                 self.store, layout, keys, deadline, self._compress(peer, layout)
             )
         except (grpc.RpcError, OSError) as e:
-            self.count("fetch_errors")
+            self.count("fetch_timeouts" if _timed_out(e, deadline) else "fetch_errors")
             log.warning("fetch from %s failed: %s", peer.address, _rpc_text(e))
             return ReceiveResult(error=str(e))
         self.count("fetched_blocks", result.received)
@@ -285,7 +291,7 @@ class PeerTier:
             self.count("fetch_verify_failures", result.verify_failures)
             log.warning("fetch from %s: a block failed verification", peer.address)
         if result.error:
-            self.count("fetch_errors")
+            self.count("fetch_timeouts" if _timed_out(None, deadline) else "fetch_errors")
             log.warning("fetch from %s ended early: %s", peer.address, result.error)
         return result
 
@@ -426,6 +432,16 @@ class PeerTier:
             t.join(timeout=self.cfg.replicate_timeout_s + 5)
         for c in self.clients.values():
             c.close()
+
+
+def _timed_out(e: BaseException | None, deadline: float) -> bool:
+    """Whether a failed transfer was cut by its deadline rather than refused
+    or reset. The stream's reader reports only text, but it ends early for a
+    stall only once the deadline has passed (socket timeouts are re-armed with
+    what is left of it, rounded up)."""
+    if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+        return bool(e.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
+    return isinstance(e, TimeoutError) or time.monotonic() >= deadline
 
 
 def _rpc_text(e: BaseException) -> str:
