@@ -413,6 +413,7 @@ def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
             {f"peer_{k}": v for k, v in vars(servicer.peer_server.data.counters).items()}
         )
         counters["replica_bytes"] = servicer.store.replica_bytes()
+        counters["peer_tls"] = int(servicer.peer_server.tls)
     pf = servicer.prefetcher.counters
     counters.update({f"prefetch_{k}": v for k, v in vars(pf).items()})
     now = time.time()

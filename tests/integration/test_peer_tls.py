@@ -1,5 +1,7 @@
 """Peers over mTLS: the gRPC port and the data channel both speak TLS, and a
-caller without a certificate signed by the group's CA is refused."""
+caller without a certificate signed by the group's CA is refused. One sidecar
+listens on every interface: with TLS that is fine, so it does not warn, and
+both report peer_tls."""
 
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ def test_pull_and_push_over_mtls_and_refusals(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     a = SidecarProcess(tmp_path / "a", "--set", f"peer_port={pa}", "--set",
-                       f"peers=127.0.0.1:{pb}", *tls)  # fmt: skip
+                       f"peers=127.0.0.1:{pb}", "--set", "peer_host=0.0.0.0",
+                       "--set", f"advertise=127.0.0.1:{pa}", *tls)  # fmt: skip
     b = SidecarProcess(tmp_path / "b", "--set", f"peer_port={pb}", "--set",
                        f"peers=127.0.0.1:{pa}", *tls)  # fmt: skip
     try:
@@ -68,6 +71,8 @@ def test_pull_and_push_over_mtls_and_refusals(tmp_path: Path) -> None:
             res = cb.load(SMALL_LAYOUT, keys, include_peers=True)
             assert res.num_blocks == 24 and torch.equal(res.blocks, data)
             assert cb.stat().counters["peer_fetched_blocks"] == 24
+            assert ca.stat().counters["peer_tls"] == cb.stat().counters["peer_tls"] == 1
+        assert "without TLS" not in a.output() + b.output()
 
         req = peer_pb2.PeerStatRequest()
         meta = (("authorization", "Bearer t0k3n"),)

@@ -493,6 +493,27 @@ def test_receiver_hanging_up_leaks_no_pins_on_the_sender(trio: Trio) -> None:
         assert stuck == 0, f"{stuck} blocks of the aborted transfer stay pinned in DRAM"
 
 
+def test_plaintext_peer_port_beyond_loopback_warns(trio: Trio, tmp_path: Path) -> None:
+    """Not refused (tests and benchmarks use plaintext), but said once at
+    start, and peer_tls is 0 in the stat and in /metrics."""
+    port, metrics_port = free_port(), free_port()
+    wide = start(
+        tmp_path, port, [], "--set", "peer_host=0.0.0.0", "--set", f"advertise=127.0.0.1:{port}",
+        "--set", f"metrics_port={metrics_port}",
+    )  # fmt: skip
+    try:
+        assert wide.output().count(PLAINTEXT_WARNING) == 1
+        with StoreClient(str(wide.socket)) as w:
+            assert counters(w)["peer_tls"] == 0
+        assert scrape(metrics_port)["tierstore_peer_tls"] == 0
+    finally:
+        stop_later(wide)
+    # On loopback the same plaintext port stays quiet.
+    assert PLAINTEXT_WARNING not in trio.procs[0].output()
+    with trio.client(0) as a:
+        assert counters(a)["peer_tls"] == 0
+
+
 def test_peer_port_without_token_refuses_to_start(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as e:
         SidecarProcess(tmp_path, "--set", f"peer_port={free_port()}")

@@ -6,12 +6,17 @@ Runs in the sidecar on its own gRPC server (so the engine's Unix socket
 never shares a port with the network). Every call must carry the group token
 (``authorization: Bearer <token>``); others get UNAUTHENTICATED before any
 handler runs. Sizes are bounded: keys per call, message size, transfers.
+Without a TLS certificate the port speaks plaintext (loopback tests and
+benchmarks need that); off loopback that sends the token in the clear, so
+the sidecar says so once at start, and its stat shows ``peer_tls``.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
+import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator
@@ -207,6 +212,16 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         )
 
 
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (``0.0.0.0``,
+    ``::`` and a name that does not resolve are not)."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+        return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+    except (OSError, ValueError):
+        return False
+
+
 def server_ssl_context(cfg: PeerConfig) -> ssl.SSLContext | None:
     if not cfg.tls_cert_file:
         return None
@@ -228,6 +243,7 @@ class PeerServer:
                 "peer_port is set but no peer_token (or peer_token_file): the peer port "
                 "never runs without authentication"
             )
+        self.tls = bool(cfg.tls_cert_file)  # the gRPC port and the data channel alike
         self.data = DataServer(
             store, cfg.peer_host, cfg.max_transfers, cfg.fetch_timeout_s, server_ssl_context(cfg)
         )
@@ -259,6 +275,13 @@ class PeerServer:
             raise TierstoreError(f"cannot listen for peers on {bind} (in use?)")
         self.server.start()
         log.info("peer service on %s (group %s, %d peers)", bind, cfg.group, len(self.tier.clients))
+        if not self.tls and not is_loopback(cfg.peer_host):
+            log.warning(
+                "peer port %s listens beyond loopback without TLS: the group token and "
+                "every block cross the network in plaintext; set tls_cert_file and "
+                "tls_key_file (and tls_ca_file for mTLS)",
+                bind,
+            )
 
     def stop(self, grace_s: float) -> None:
         self.servicer.stopping.set()  # watch streams end at their next heartbeat
