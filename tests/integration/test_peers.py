@@ -46,7 +46,7 @@ L: KVLayout = SMALL_LAYOUT  # 8 KiB blocks of 8 tokens
 BLOCK = L.block_bytes
 TOKEN = "peer-test-token"
 MIN_TOKENS = 64
-PEER, DRAM = TierName.PEER, TierName.DRAM
+PEER, DRAM, NVME, HBM = TierName.PEER, TierName.DRAM, TierName.NVME, TierName.HBM
 COMMON = (
     "--set",
     f"peer_token={TOKEN}",
@@ -309,19 +309,44 @@ def test_pull_on_switch(trio: Trio) -> None:
 
 
 def test_evicted_replica_is_fetched_again(trio: Trio) -> None:
-    """The import-once bug: an imported, later evicted replica is not held."""
+    """The import-once bug: an imported, later evicted replica is not held.
+    Evicted from the engine's HBM and C's DRAM, it is reloaded from C's NVMe;
+    evicted from NVMe too, it is fetched from the peer again."""
     n = 16
     toks = tokens(n, 4_000_000)
     keys, data = keys_of(toks), fp16_blocks(n, 4)
     target = trio.addrs[2]
     session = session_for(target, trio.addrs, trio.addrs[0], "evict")
+    junk = torch.zeros((200, BLOCK), dtype=torch.uint8)
     with trio.client(0) as a, trio.client(2) as c:
         a.store(L, keys, data)
         assert a.end_turn(session, L, keys, len(toks), wait=True).pushed == n
         assert c.lookup(L, keys).num_hits == n
+        # The session's turn on C: its engine loads the replica into HBM.
+        socket_c = str(trio.procs[2].socket)
+        with StoreClient(socket_c, hbm_bytes=HBM_BLOCKS * BLOCK, device="cpu") as engine:
+            res = engine.load(L, keys)
+            assert res.num_blocks == n and torch.equal(res.blocks, data)
+            assert engine.lookup(L, keys).tiers == (HBM,) * n
+            # The engine's own blocks push the replica out of HBM ...
+            own = keys_of(tokens(HBM_BLOCKS, 4_200_000))
+            assert all(engine.store(L, own, torch.ones((HBM_BLOCKS, BLOCK), dtype=torch.uint8)))
+            assert engine.hbm is not None and not any(engine.hbm.contains(keys))
+            # ... and C's own blocks push it out of DRAM (512 blocks) into NVMe (1024).
+            filler = keys_of(tokens(600, 4_300_000))
+            for lo in range(0, len(filler), 200):
+                c.store(L, filler[lo : lo + 200], junk)
+            # The session returns: NVMe is reported, and the load reads it from
+            # there, neither skipped as "imported" nor fetched from A again.
+            fetched = counters(c)["peer_fetched_blocks"]
+            assert engine.lookup(L, keys).tiers == (NVME,) * n
+            assert engine.lookup(L, keys, include_peers=True).tiers == (NVME,) * n
+            res = engine.load(L, keys, include_peers=True, deadline_s=5.0)
+            assert res.num_blocks == n and torch.equal(res.blocks, data)
+            assert res.tiers == (NVME,) * n
+            assert counters(c)["peer_fetched_blocks"] == fetched
         # Fill C's DRAM (4 MiB) and NVMe (8 MiB) with its own blocks.
         filler = keys_of(tokens(1800, 4_500_000))
-        junk = torch.zeros((200, BLOCK), dtype=torch.uint8)
         for lo in range(0, len(filler), 200):
             c.store(L, filler[lo : lo + 200], junk)
         assert c.lookup(L, keys).num_hits == 0
@@ -550,6 +575,42 @@ def test_auto_compression_does_not_latch_on_after_a_small_fetch(
         assert res.num_blocks == 1 + n and torch.equal(res.blocks, data)
         # Loopback carries GB/s; byte-split zstd runs at a fraction of that.
         assert counters(b)["peer_fetched_bytes"] - payload == n * BLOCK
+
+
+def test_forced_compression_is_byte_exact_in_fewer_wire_bytes(tmp_path: Path) -> None:
+    """compression=zstd: the fetching sidecar asks for byte-split zstd on
+    every transfer. KV-like fp16 blocks arrive byte-exact in exactly the bytes
+    the codec makes of them (fewer than raw); blocks that do not shrink travel
+    raw, byte-exact too."""
+    pa, pb = free_port(), free_port()
+    zstd = ("--set", "compression=zstd")
+    procs = [start(tmp_path / "a", pa, [pb], *zstd)]
+    try:
+        procs.append(start(tmp_path / "b", pb, [pa], *zstd))
+        n = 32
+        kv_keys, kv = keys_of(tokens(n, 11_000_000)), fp16_blocks(n, 11)
+        noise_keys = keys_of(tokens(n, 11_500_000))
+        noise = torch.from_numpy(np.random.default_rng(12).integers(0, 256, (n, BLOCK), np.uint8))
+        packed = [codec.compress(memoryview(row.numpy()), L) for row in kv]
+        assert all(p is not None for p in packed)
+        kv_wire = sum(len(p) for p in packed if p is not None)
+        assert kv_wire < 0.95 * n * BLOCK
+        with StoreClient(str(procs[0].socket)) as a, StoreClient(str(procs[1].socket)) as b:
+            assert all(a.store(L, kv_keys, kv)) and all(a.store(L, noise_keys, noise))
+            sent, got = counters(a), counters(b)
+            res = b.load(L, kv_keys, include_peers=True, deadline_s=10.0)
+            assert res.num_blocks == n and torch.equal(res.blocks, kv)
+            assert res.tiers == (PEER,) * n
+            assert counters(b)["peer_fetched_blocks"] - got["peer_fetched_blocks"] == n
+            assert counters(b)["peer_fetched_bytes"] - got["peer_fetched_bytes"] == kv_wire
+            assert counters(a)["peer_bytes_sent"] - sent["peer_bytes_sent"] == kv_wire
+            got = counters(b)
+            res = b.load(L, noise_keys, include_peers=True, deadline_s=10.0)
+            assert res.num_blocks == n and torch.equal(res.blocks, noise)
+            assert counters(b)["peer_fetched_bytes"] - got["peer_fetched_bytes"] == n * BLOCK
+            assert counters(b)["peer_fetch_verify_failures"] == 0
+    finally:
+        stop_later(*procs)
 
 
 def test_restarted_host_answers_what_it_holds(pair: list[SidecarProcess]) -> None:
