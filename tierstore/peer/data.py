@@ -326,7 +326,7 @@ def receive_blocks(
                     recv_into_exact(conn, payload, deadline)
                     try:
                         codec.decompress_into(payload, slot)
-                    except Exception as e:  # zstd raises its own error types on garbage
+                    except ValueError as e:  # the codec's one error for a bad payload
                         raise TransferError(f"bad compressed payload: {e}") from e
                 elif payload_bytes != size:
                     raise TransferError(f"raw payload of {payload_bytes} bytes, want {size}")
