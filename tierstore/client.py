@@ -46,6 +46,7 @@ POLICY_CODES = {
     "timeout": local_pb2.PREFETCH_TIMEOUT,
 }
 OUTCOME_NAMES = {0: "started", 1: "done", 2: "late", 3: "cancelled"}
+HBM_PULL_CHUNK_BLOCKS = 64  # arena pins held at once while a prefetch fills HBM
 
 
 class SidecarUnavailable(TierstoreError, ConnectionError):
@@ -472,38 +473,63 @@ class StoreClient:
         timeout_s: float = 0.0,
     ) -> PrefetchResult | Future[PrefetchResult]:
         """Ask the sidecar to promote ``keys`` toward DRAM (and, with an HBM
-        tier, bring them on into HBM). ``best_effort`` returns a Future at
-        once; ``wait`` and ``timeout`` return when done or at the deadline
-        (``timeout_s``, or the server's base + per-1k-tokens rule when 0)."""
+        tier, bring them on into HBM).
+
+        ``best_effort`` returns a Future at once: the sidecar only queues the
+        work (outcome ``started``, or ``cancelled`` when its queue is full).
+        Without an HBM tier the Future is already done; with one it is done
+        once this client's background thread has brought the available
+        prefix into HBM (``ready_blocks`` of them). ``wait`` and ``timeout``
+        return when the sidecar is done or at the deadline (``timeout_s``, or
+        the server's base + per-1k-tokens rule when 0), after bringing the
+        ready blocks into HBM."""
         if policy not in POLICY_CODES:
             raise ValueError(
                 f"unknown prefetch policy {policy!r}; use one of {sorted(POLICY_CODES)}"
             )
         keys = check_keys(keys)[: self.max_batch_keys]
-        if policy == "best_effort":
-            return self._background.submit(self._prefetch_now, layout, keys, "wait", 0.0)
-        return self._prefetch_now(layout, keys, policy, timeout_s)
-
-    def _prefetch_now(
-        self, layout: KVLayout, keys: list[BlockKey], policy: str, timeout_s: float
-    ) -> PrefetchResult:
-        req = local_pb2.PrefetchRequest(
-            client_id=self.client_id,
-            layout_id=self.register(layout),
-            keys=b"".join(keys),
-            policy=POLICY_CODES[policy],
-            timeout_s=timeout_s,
+        reply = self._call(
+            self._stub.Prefetch,
+            local_pb2.PrefetchRequest(
+                client_id=self.client_id,
+                layout_id=self.register(layout),
+                keys=b"".join(keys),
+                policy=POLICY_CODES[policy],
+                timeout_s=timeout_s,
+            ),
+            "prefetch",
         )
-        reply = self._call(self._stub.Prefetch, req, "prefetch")
-        if self.hbm is not None and reply.ready_blocks:
-            ready = keys[: reply.ready_blocks]
-            missing = [k for k, held in zip(ready, self.hbm.contains(ready)) if not held]
+        outcome = OUTCOME_NAMES[reply.outcome]
+        if policy != "best_effort":
+            if self.hbm is not None and reply.ready_blocks:
+                self._pull_into_hbm(layout, keys[: reply.ready_blocks])
+            return PrefetchResult(outcome, reply.ready_blocks, reply.available_blocks)
+        if self.hbm is None or outcome == "cancelled" or not reply.available_blocks:
+            done: Future[PrefetchResult] = Future()
+            done.set_result(PrefetchResult(outcome, 0, reply.available_blocks))
+            return done
+        return self._background.submit(
+            lambda: PrefetchResult(
+                outcome,
+                self._pull_into_hbm(layout, keys[: reply.available_blocks]),
+                reply.available_blocks,
+            )
+        )
+
+    def _pull_into_hbm(self, layout: KVLayout, keys: list[BlockKey]) -> int:
+        """Copy the available prefix of ``keys`` into HBM (what is not there
+        yet), ``HBM_PULL_CHUNK_BLOCKS`` pins at a time. Returns the length of
+        the prefix now in HBM."""
+        assert self.hbm is not None
+        for lo in range(0, len(keys), HBM_PULL_CHUNK_BLOCKS):
+            chunk = keys[lo : lo + HBM_PULL_CHUNK_BLOCKS]
+            missing = [k for k, held in zip(chunk, self.hbm.contains(chunk)) if not held]
             if missing:
                 scratch = self._copier.empty_rows(len(missing), layout.block_bytes)
-                self._load_run(layout, missing, scratch, promote=True)
-        return PrefetchResult(
-            OUTCOME_NAMES[reply.outcome], reply.ready_blocks, reply.available_blocks
-        )
+                if len(self._load_run(layout, missing, scratch, promote=True)) < len(missing):
+                    break  # a gap: evicted meanwhile
+        in_hbm = self.hbm.contains(keys)
+        return in_hbm.index(False) if False in in_hbm else len(keys)
 
     def end_turn(
         self,

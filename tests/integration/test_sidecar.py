@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from concurrent.futures import Future
 
 import numpy as np
 import pytest
 import torch
 
-from tierstore.client import StoreClient
+from tierstore.client import PrefetchResult, StoreClient
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.tiers.base import TierName
 
@@ -79,7 +80,7 @@ def test_blocks_are_shared_between_client_processes(sidecar: SidecarProcess) -> 
     keys, data = keys_for(10, start=5000), blocks(10, seed=2)
     code = f"""
 import numpy as np, torch
-from tierstore.client import StoreClient
+from tierstore.client import PrefetchResult, StoreClient
 from tierstore.keys import KVLayout, chain_keys
 layout = KVLayout("test-model", 2, 2, 64, "float16", 8)
 keys = chain_keys(layout, np.arange(5000, 5000 + 80))
@@ -109,13 +110,37 @@ def test_residency_truth_after_eviction(sidecar: SidecarProcess) -> None:
         assert client.lookup(SMALL_LAYOUT, keys).tiers == (HBM,) * 4
 
 
+WAIT_S = 30.0  # deadline of every wait in these tests (none should come near it)
+
+
+def wait_for_tiers(
+    client: StoreClient, keys: list[BlockKey], tiers: tuple[TierName, ...]
+) -> tuple[TierName, ...]:
+    """Poll lookup until it answers ``tiers`` (background work), or give up
+    at WAIT_S and return the last answer."""
+    deadline = time.monotonic() + WAIT_S
+    while (got := client.lookup(SMALL_LAYOUT, keys).tiers) != tiers:
+        if time.monotonic() > deadline:
+            return got
+        time.sleep(0.02)
+    return got
+
+
+def store_and_spill(
+    client: StoreClient, keys: list[BlockKey], data: torch.Tensor, cold: int
+) -> None:
+    """Store ``keys`` in batches of 50: more than DRAM (and HBM) hold, so the
+    first ``cold`` keys end up on NVMe only."""
+    for lo in range(0, len(keys), 50):
+        assert all(client.store(SMALL_LAYOUT, keys[lo : lo + 50], data[lo : lo + 50]))
+    assert client.lookup(SMALL_LAYOUT, keys[:cold]).tiers == (NVME,) * cold
+
+
 def test_prefetch_policies(sidecar: SidecarProcess) -> None:
     keys, data = keys_for(200, start=40000), blocks(200, seed=5)
     with StoreClient(str(sidecar.socket)) as client:
-        for lo in range(0, 200, 50):
-            client.store(SMALL_LAYOUT, keys[lo : lo + 50], data[lo : lo + 50])
-        cold = keys[:40]  # spilled to NVMe by the later stores
-        assert client.lookup(SMALL_LAYOUT, cold).tiers == (NVME,) * 40
+        store_and_spill(client, keys, data, cold=40)
+        cold = keys[:40]
 
         done = client.prefetch(SMALL_LAYOUT, cold, "wait")
         assert not isinstance(done, Future)
@@ -130,16 +155,79 @@ def test_prefetch_policies(sidecar: SidecarProcess) -> None:
         assert not isinstance(late, Future)
         assert late.outcome == "late" and late.ready_blocks < 40
 
+        # best_effort: the sidecar queues the work and answers at once; the
+        # client does not wait for it (the Future is done on return).
         fut = client.prefetch(SMALL_LAYOUT, keys[:60], "best_effort")
-        assert isinstance(fut, Future)
-        assert fut.result(timeout=30).ready_blocks == 60
-        assert client.lookup(SMALL_LAYOUT, keys[:60]).tiers == (DRAM,) * 60
+        assert isinstance(fut, Future) and fut.done()
+        assert fut.result() == PrefetchResult("started", 0, 60)
+        assert wait_for_tiers(client, keys[:60], (DRAM,) * 60) == (DRAM,) * 60
+        assert torch.equal(client.load(SMALL_LAYOUT, keys[:60]).blocks, data[:60])
 
         missing = client.prefetch(SMALL_LAYOUT, keys_for(5, start=123456), "wait")
         assert not isinstance(missing, Future)
         assert missing.available_blocks == 0 and missing.ready_blocks == 0
         counters = client.stat().counters
-        assert counters["prefetch_done"] >= 3 and counters["prefetch_late"] == 1
+        assert counters["prefetch_done"] == 2 and counters["prefetch_late"] == 1
+        assert counters["prefetch_started"] == 1 and counters["prefetch_cancelled"] == 0
+
+
+@pytest.mark.parametrize(
+    "base_s, per_1k_tokens_s, outcome",
+    [
+        ("1e-9", "0", "late"),  # the deadline passes before the worker starts
+        ("20", "0", "done"),  # the base alone leaves ample time
+        ("1e-9", "50", "done"),  # 40 blocks of 8 tokens: 1e-9 + 50 * 0.32 = 16 s
+    ],
+)
+def test_prefetch_timeout_is_base_plus_per_1k_tokens(
+    tmp_path, base_s: str, per_1k_tokens_s: str, outcome: str
+) -> None:
+    """A timeout prefetch that gives no timeout_s gets the config's
+    deadline: prefetch_timeout_base_s + prefetch_timeout_per_1k_tokens_s *
+    tokens / 1000. The values make each outcome certain, not a race."""
+    keys, data = keys_for(200, start=50000), blocks(200, seed=7)
+    proc = SidecarProcess(
+        tmp_path,
+        "--set",
+        f"prefetch_timeout_base_s={base_s}",
+        "--set",
+        f"prefetch_timeout_per_1k_tokens_s={per_1k_tokens_s}",
+    )
+    try:
+        with StoreClient(str(proc.socket)) as client:
+            store_and_spill(client, keys, data, cold=40)
+            got = client.prefetch(SMALL_LAYOUT, keys[:40], "timeout")
+            assert not isinstance(got, Future)
+            assert (got.outcome, got.available_blocks) == (outcome, 40)
+            if outcome == "done":
+                assert got.ready_blocks == 40
+                assert client.lookup(SMALL_LAYOUT, keys[:40]).tiers == (DRAM,) * 40
+            else:
+                assert got.ready_blocks == 0
+            assert client.stat().counters[f"prefetch_{outcome}"] == 1
+    finally:
+        proc.stop()
+
+
+def test_prefetch_into_hbm(sidecar: SidecarProcess) -> None:
+    """With an HBM tier (device='cpu') a prefetch brings the blocks on from
+    NVMe through DRAM into HBM: waited for, or in the background."""
+    keys, data = keys_for(600, start=60000), blocks(600, seed=8)
+    with StoreClient(str(sidecar.socket), hbm_bytes=512 << 10) as client:  # 64 blocks of HBM
+        # 300 stored: 64 stay in HBM, 236 are written down to 128 blocks of DRAM.
+        store_and_spill(client, keys[:300], data[:300], cold=40)
+        done = client.prefetch(SMALL_LAYOUT, keys[:40], "wait")
+        assert done == PrefetchResult("done", 40, 40)
+        assert client.lookup(SMALL_LAYOUT, keys[:40]).tiers == (HBM,) * 40
+
+        store_and_spill(client, keys[300:], data[300:], cold=0)  # pushes them out of HBM and DRAM
+        assert client.lookup(SMALL_LAYOUT, keys[:40]).tiers == (NVME,) * 40
+        fut = client.prefetch(SMALL_LAYOUT, keys[:40], "best_effort")
+        assert isinstance(fut, Future)
+        assert fut.result(timeout=WAIT_S) == PrefetchResult("started", 40, 40)
+        assert client.lookup(SMALL_LAYOUT, keys[:40]).tiers == (HBM,) * 40
+        res = client.load(SMALL_LAYOUT, keys[:40])
+        assert res.tiers == (HBM,) * 40 and torch.equal(res.blocks, data[:40])
 
 
 def test_stat_cli_and_json(sidecar: SidecarProcess) -> None:
