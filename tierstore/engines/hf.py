@@ -8,7 +8,8 @@ Provides:
 - ``pack_blocks`` / ``unpack_blocks``: cache tensors <-> block bytes.
 - ``HFStoreAdapter``: ``save`` after a prefill, ``resume`` (load the longest
   stored prefix, prefill the rest), ``prefill`` (cold), ``generate``
-  (greedy), ``end_turn``.
+  (greedy), ``end_turn``; it warns (``InexactAttentionWarning``) when the
+  model's attention is not eager, as results are then close, not bitwise.
 
 Block byte layout: one block is the K and V of every layer for
 ``block_tokens`` tokens, as one C-contiguous array of the layout's dtype with
@@ -28,6 +29,9 @@ bfloat16, and so does every K/V row of the cache. The sdpa CPU kernel splits
 queries into tiles of 32, 64 or 256 rows (by length): when a cold prefill's
 last tile has 1-3 rows, float32 logits of a resume differ from it by about
 1e-7 (float16/bfloat16: equal as measured). The rule costs at most one block.
+Measured bitwise with eager attention: Llama, Qwen2, GPT-2 (learned absolute
+positions), GPT-NeoX (partial rotary), Falcon and GPT-BigCode (multi-query),
+Phi, OPT, Gemma, Bloom (ALiBi), GPT-J.
 
 Runs in the engine process, on the thread that runs the model. An adapter
 is not thread-safe (neither is the model's cache); the StoreClient is.
@@ -38,6 +42,7 @@ from __future__ import annotations
 import inspect
 import json
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +84,23 @@ def _as_ids(token_ids: TokenIds) -> torch.Tensor:
 
 class UnsupportedModelError(TierstoreError, ValueError):
     """The model's cache cannot be saved and restored exactly as per-layer K/V blocks."""
+
+
+class InexactAttentionWarning(UserWarning):
+    """The model's attention is not ``eager``: a warm resume is close to a cold
+    prefill (about 1e-7 in float32 with sdpa), not bitwise equal."""
+
+
+def _warn_unless_eager(model: Any) -> None:
+    attn = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attn != "eager":
+        warnings.warn(
+            f"attn_implementation={attn!r}: a warm resume's logits can differ from a cold "
+            "prefill's in the last bits (sdpa: about 1e-7 in float32); load the model with "
+            "attn_implementation='eager' for bitwise-equal results",
+            InexactAttentionWarning,
+            stacklevel=3,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +173,13 @@ def _kv_shape(config: Any) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of a decoder config."""
     text = _text_config(config)
     heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    # num_kv_heads: Falcon's name for it. multi_query without Falcon's new
+    # decoder (Falcon-7B, GPT-BigCode) caches one K/V head, whatever the rest says.
+    kv_heads = (
+        getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or heads
+    )
+    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
+        kv_heads = 1
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return int(text.num_hidden_layers), int(kv_heads), int(head_dim)
 
@@ -312,6 +340,7 @@ class HFStoreAdapter:
         min_compute_tokens: int = 16,
     ) -> None:
         check_supported(model.config)
+        _warn_unless_eager(model)
         self.model = model
         self.client = client
         self.layout = layout or layout_for(model)
