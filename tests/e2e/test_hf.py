@@ -1,11 +1,15 @@
 """HFStoreAdapter with small random-weight transformers models and real sidecars.
 
 A warm resume must give the logits of a cold full prefill bit for bit
-(torch.equal) and the same greedy continuation, whichever tier the blocks
-come from: the engine's HBM pool, the sidecar's DRAM, its NVMe, or a peer
-sidecar. Models are built from configs (no weights are downloaded) with
-eager attention: see tierstore/engines/hf.py for why sdpa is only close in
-float32. One sidecar serves the module (1 MiB of DRAM: 128 blocks of 8 KiB)
+(torch.equal), a cache whose K/V bytes are those of the cold prefill, and the
+same greedy continuation, whichever tier the blocks come from: the engine's
+HBM pool, the sidecar's DRAM, its NVMe, or a peer sidecar; for Llama, for
+families built differently (GPT-2: learned absolute positions, LayerNorm,
+fused QKV; GPT-NeoX: partial rotary, parallel residual) and for
+float16/bfloat16 layouts (and from DRAM for Falcon's multi-query heads and
+Qwen2). Models are built from configs (no weights
+are downloaded) with eager attention: see tierstore/engines/hf.py for why
+sdpa is only close in float32. One sidecar serves the module (1 MiB of DRAM)
 and a pair of peered sidecars serves the peer tests.
 """
 
@@ -17,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +32,12 @@ import torch
 pytest.importorskip("transformers")
 
 from transformers import (
+    FalconConfig,
+    FalconForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MambaConfig,
@@ -35,11 +46,13 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
     StaticCache,
+    T5Config,
 )
 
 from tierstore.client import StoreClient
 from tierstore.engines.hf import (
     HFStoreAdapter,
+    InexactAttentionWarning,
     UnsupportedModelError,
     check_supported,
     layout_for,
@@ -50,7 +63,10 @@ from tierstore.tiers.base import TierName
 from ..integration.sidecar import REPO, SidecarProcess
 
 VOCAB = 512
-LENGTHS = [16 * 5, 16 * 5 + 7, 3]  # on a block boundary, inside a block, under one block
+# Resumes reuse 1, 3 and 7 blocks (all but the last 16-31 tokens); 64 ends on
+# a block boundary, 33 and 130 inside a block. Prompts under 32 tokens reuse
+# nothing: test_every_length_is_bitwise covers them.
+LENGTHS = [33, 64, 130]
 NEW_TOKENS = 8
 SMALL = dict(
     vocab_size=VOCAB,
@@ -61,8 +77,34 @@ SMALL = dict(
     num_key_value_heads=2,
     max_position_embeddings=1024,
 )
+# Families whose layers differ from Llama's where a restored cache could go
+# wrong: positions (learned, partial rotary), K/V heads (multi-query).
+FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    "llama": (LlamaForCausalLM, LlamaConfig, SMALL),
+    "gpt2": (
+        GPT2LMHeadModel,
+        GPT2Config,
+        dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
+             bos_token_id=0, eos_token_id=0),
+    ),
+    "gpt_neox": (
+        GPTNeoXForCausalLM,
+        GPTNeoXConfig,
+        dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=1024, rotary_pct=0.25),
+    ),
+    "falcon": (
+        FalconForCausalLM,
+        FalconConfig,
+        dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             multi_query=True, bos_token_id=0, eos_token_id=0),
+    ),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, SMALL),
+}  # fmt: skip
+HALF_DTYPES = [torch.float16, torch.bfloat16]
 PEER_COMMON = ("--set", "peer_token=e2e-token", "--set", "min_tokens=64")
 FAST_STOP = ("--set", "shutdown_grace_s=0.5")
+SIDECAR_DRAM_BYTES = 1 << 20  # the module sidecar's dram="1MiB"
 
 
 def build(
@@ -71,12 +113,36 @@ def build(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     attn: str = "eager",
+    base: dict[str, Any] = SMALL,
     **overrides: Any,
 ) -> Any:
-    config = config_cls(**{**SMALL, **overrides})
+    config = config_cls(**{**base, **overrides})
     config._attn_implementation = attn
     torch.manual_seed(seed)
     return model_cls(config).eval().to(dtype)
+
+
+_MODELS: dict[tuple[str, torch.dtype], Any] = {}
+
+
+def model_of(family: str, dtype: torch.dtype = torch.float32) -> Any:
+    """One model per family and dtype for the whole module (read-only use)."""
+    if (family, dtype) not in _MODELS:
+        model_cls, config_cls, base = FAMILIES[family]
+        _MODELS[family, dtype] = build(model_cls, config_cls, dtype=dtype, base=base)
+    return _MODELS[family, dtype]
+
+
+def _case(family: str, dtype: torch.dtype = torch.float32) -> Any:
+    name = family if dtype == torch.float32 else f"{family}-{str(dtype).removeprefix('torch.')}"
+    return pytest.param(family, dtype, id=name)
+
+
+# Every tier: Llama, two families built differently, and the half layouts.
+# DRAM also takes the families that differ from these only in their heads
+# (Falcon's multi-query) or biases (Qwen2): the tier does not change that.
+CASES = [_case(f) for f in ("llama", "gpt2", "gpt_neox")] + [_case("llama", d) for d in HALF_DTYPES]
+DRAM_CASES = [*CASES, _case("falcon"), _case("qwen2")]
 
 
 def prompt(n: int, seed: int) -> torch.Tensor:
@@ -104,17 +170,26 @@ def check_warm(
     if res.num_reused_tokens:
         assert res.tiers == (tier,) * (res.num_reused_tokens // 16)
     ref = cold_logits(adapter.model, ids)
+    assert res.logits.dtype == ref.dtype == adapter.model.dtype
     if exact:
         assert torch.equal(res.logits, ref)
         cold = adapter.prefill(ids).cache
         for warm_layer, cold_layer in zip(res.cache.layers, cold.layers, strict=True):
-            assert torch.equal(warm_layer.keys, cold_layer.keys)
-            assert torch.equal(warm_layer.values, cold_layer.values)
+            assert same_bytes(warm_layer.keys, cold_layer.keys)
+            assert same_bytes(warm_layer.values, cold_layer.values)
     else:
         torch.testing.assert_close(res.logits, ref, rtol=0, atol=1e-5)
     warm = adapter.generate(ids, NEW_TOKENS, include_peers=include_peers).tokens
     assert warm == adapter.generate(ids, NEW_TOKENS, resume=False).tokens
     assert len(warm) == NEW_TOKENS
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (torch.equal takes -0.0 for 0.0 and NaN for unequal)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
 def save_cold(adapter: HFStoreAdapter, ids: torch.Tensor) -> int:
@@ -144,7 +219,7 @@ def _stop(*procs: SidecarProcess) -> None:
 
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(tmp_path_factory.mktemp("sidecar"), *FAST_STOP, nvme="32MiB")
+    proc = SidecarProcess(tmp_path_factory.mktemp("sidecar"), *FAST_STOP, dram="1MiB", nvme="64MiB")
     yield proc
     _stop(proc)
 
@@ -157,7 +232,7 @@ def client(sidecar: SidecarProcess) -> Iterator[StoreClient]:
 
 @pytest.fixture(scope="module")
 def llama() -> Any:
-    return build()
+    return model_of("llama")
 
 
 @pytest.fixture(scope="module")
@@ -182,42 +257,58 @@ def peers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SidecarPro
 # -- warm resume from every tier -----------------------------------------------------
 
 
+def adapter_for(family: str, dtype: torch.dtype, client: StoreClient) -> HFStoreAdapter:
+    adapter = HFStoreAdapter(model_of(family, dtype), client)
+    assert adapter.layout.dtype == str(dtype).removeprefix("torch.")
+    return adapter
+
+
 @pytest.mark.parametrize("n", LENGTHS)
-def test_warm_from_dram(adapter: HFStoreAdapter, n: int) -> None:
+@pytest.mark.parametrize(("family", "dtype"), DRAM_CASES)
+def test_warm_from_dram(client: StoreClient, family: str, dtype: torch.dtype, n: int) -> None:
+    adapter = adapter_for(family, dtype, client)
     ids = prompt(n, seed=100 + n)
     assert save_cold(adapter, ids) == n // 16
     check_warm(adapter, ids, TierName.DRAM)
 
 
 @pytest.mark.parametrize("n", LENGTHS)
-def test_warm_from_hbm(llama: Any, sidecar: SidecarProcess, n: int) -> None:
+@pytest.mark.parametrize(("family", "dtype"), CASES)
+def test_warm_from_hbm(sidecar: SidecarProcess, family: str, dtype: torch.dtype, n: int) -> None:
     with StoreClient(str(sidecar.socket), hbm_bytes=256 << 10) as hbm_client:
-        adapter = HFStoreAdapter(llama, hbm_client)
+        adapter = adapter_for(family, dtype, hbm_client)
         ids = prompt(n, seed=200 + n)
         assert save_cold(adapter, ids) == n // 16
         check_warm(adapter, ids, TierName.HBM)
 
 
 @pytest.mark.parametrize("n", LENGTHS)
-def test_warm_from_nvme(adapter: HFStoreAdapter, client: StoreClient, n: int) -> None:
+@pytest.mark.parametrize(("family", "dtype"), CASES)
+def test_warm_from_nvme(client: StoreClient, family: str, dtype: torch.dtype, n: int) -> None:
+    adapter = adapter_for(family, dtype, client)
     ids = prompt(n, seed=300 + n)
     save_cold(adapter, ids)
-    # 160 blocks of filler push everything older out of the 128-block DRAM.
+    # Filler of 1.25x the DRAM tier pushes everything older out to NVMe.
     layout = adapter.layout
-    filler_keys = chain_keys(layout, np.arange(160 * 16) + 10_000 * n)
-    filler = torch.randint(0, 256, (160, layout.block_bytes), dtype=torch.uint8)
-    for lo in range(0, 160, 40):  # a batch must fit the DRAM tier
-        assert all(client.store(layout, filler_keys[lo : lo + 40], filler[lo : lo + 40]))
+    num_filler = SIDECAR_DRAM_BYTES * 5 // 4 // layout.block_bytes
+    batch = SIDECAR_DRAM_BYTES // 4 // layout.block_bytes  # a batch must fit the DRAM tier
+    filler_keys = chain_keys(layout, np.arange(num_filler * 16) + 10_000 * n)
+    filler = torch.randint(0, 256, (num_filler, layout.block_bytes), dtype=torch.uint8)
+    for lo in range(0, num_filler, batch):
+        assert all(client.store(layout, filler_keys[lo : lo + batch], filler[lo : lo + batch]))
     keys = adapter.keys(ids)
     assert client.lookup(layout, keys).tiers == (TierName.NVME,) * len(keys)
     check_warm(adapter, ids, TierName.NVME)
 
 
 @pytest.mark.parametrize("n", LENGTHS)
-def test_warm_from_peer(llama: Any, peers: tuple[SidecarProcess, ...], n: int) -> None:
+@pytest.mark.parametrize(("family", "dtype"), CASES)
+def test_warm_from_peer(
+    peers: tuple[SidecarProcess, ...], family: str, dtype: torch.dtype, n: int
+) -> None:
     a, b = peers
     with StoreClient(str(a.socket)) as ca, StoreClient(str(b.socket)) as cb:
-        on_a, on_b = HFStoreAdapter(llama, ca), HFStoreAdapter(llama, cb)
+        on_a, on_b = adapter_for(family, dtype, ca), adapter_for(family, dtype, cb)
         ids = prompt(n, seed=400 + n)
         save_cold(on_a, ids)
         # Host b holds nothing of it: without peers the resume is cold (and exact).
@@ -297,25 +388,12 @@ def test_min_compute_tokens_1_reuses_more_within_an_ulp(llama: Any, client: Stor
 # -- other families and dtypes ----------------------------------------------------------
 
 
-def test_qwen2(client: StoreClient) -> None:
-    model = build(Qwen2ForCausalLM, Qwen2Config)
-    adapter = HFStoreAdapter(model, client)
-    ids = prompt(16 * 5 + 7, seed=700)
-    save_cold(adapter, ids)
-    check_warm(adapter, ids, TierName.DRAM)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_dtypes(client: StoreClient, dtype: torch.dtype) -> None:
-    """Bitwise equal as measured on this CPU for every suffix length."""
-    model = build(dtype=dtype)
-    adapter = HFStoreAdapter(model, client)
-    assert adapter.layout.dtype == str(dtype).removeprefix("torch.")
-    assert adapter.layout.block_bytes == 4096
-    for n in (16 * 5, 16 * 5 + 7):
-        ids = prompt(n, seed=800 + n)
-        save_cold(adapter, ids)
-        check_warm(adapter, ids, TierName.DRAM)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_layout_is_half_the_bytes(dtype: torch.dtype) -> None:
+    """Half layouts (their warm legs run in the tier tests) store 2-byte K/V."""
+    layout = layout_for(model_of("llama", dtype))
+    assert layout.dtype == str(dtype).removeprefix("torch.")
+    assert layout.block_bytes == layout_for(model_of("llama")).block_bytes // 2 == 4096
 
 
 def test_sdpa_is_close_not_bitwise(client: StoreClient) -> None:
@@ -323,11 +401,18 @@ def test_sdpa_is_close_not_bitwise(client: StoreClient) -> None:
     of 32k+1..3 tokens runs its last rows in a tiny tile, which takes other
     GEMM kernels. Close within 1e-5, same greedy tokens."""
     model = build(attn="sdpa")
-    adapter = HFStoreAdapter(model, client)
+    with pytest.warns(InexactAttentionWarning, match="attn_implementation='sdpa'"):
+        adapter = HFStoreAdapter(model, client)
     for n in (16 * 6 + 1, 16 * 5 + 7):
         ids = prompt(n, seed=900 + n)
         save_cold(adapter, ids)
         check_warm(adapter, ids, TierName.DRAM, exact=False)
+
+
+def test_eager_attention_does_not_warn(llama: Any, client: StoreClient) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InexactAttentionWarning)
+        HFStoreAdapter(llama, client)
 
 
 # -- refusals ------------------------------------------------------------------------
@@ -352,6 +437,11 @@ def test_refuses_hybrid_sliding_qwen2() -> None:
 def test_refuses_recurrent_state() -> None:
     with pytest.raises(UnsupportedModelError, match="recurrent/SSM"):
         check_supported(MambaConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2))
+
+
+def test_refuses_encoder_decoder() -> None:
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
+        check_supported(T5Config(vocab_size=VOCAB, d_model=64, num_layers=2, num_heads=4))
 
 
 # -- keys --------------------------------------------------------------------------------
