@@ -1,4 +1,5 @@
-"""TieredStore over real arenas and NVMe directories."""
+"""TieredStore over real arenas and NVMe directories, under every eviction
+policy the store offers (and its NVMe admission filters where they matter)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from tierstore.config import StoreConfig
 from tierstore.errors import BlockSizeError, KeyFormatError, LayoutError
 from tierstore.keys import BlockKey, KVLayout, chain_keys
+from tierstore.policies import ADMISSION_POLICIES, EVICTION_POLICIES
 from tierstore.store import TieredStore
 from tierstore.tiers.base import TierName
 from tierstore.tiers.dram import ReserveStatus
@@ -25,9 +27,25 @@ def blocks_for(keys: list[BlockKey], size: int) -> list[bytes]:
     return [np.random.default_rng(int.from_bytes(k[:8], "little")).bytes(size) for k in keys]
 
 
+WAIT_S = 30.0  # deadline of every wait for background work (none should come near it)
+
+
+@pytest.fixture(params=sorted(EVICTION_POLICIES))
+def eviction(request: pytest.FixtureRequest) -> str:
+    """The eviction policy of the store's tiers (config ``eviction_policy``)."""
+    return str(request.param)
+
+
+@pytest.fixture(params=sorted(ADMISSION_POLICIES))
+def admission(request: pytest.FixtureRequest) -> str:
+    """The filter of blocks spilled to NVMe (config ``nvme_admission``)."""
+    return str(request.param)
+
+
 @pytest.fixture
-def store(store_config):
-    s = TieredStore(store_config())
+def store(store_config, eviction: str):
+    s = TieredStore(store_config(eviction_policy=eviction))
+    assert type(s.dram.policy) is EVICTION_POLICIES[eviction]  # the config reached the tier
     yield s
     s.close()
 
@@ -57,6 +75,48 @@ def test_cascade_to_nvme_and_promotion(store: TieredStore, layout: KVLayout) -> 
     assert stat["tiers"]["nvme"]["num_blocks"] >= 272
 
 
+def test_seen_twice_admission_spills_only_blocks_evicted_twice(
+    store_config, layout: KVLayout, eviction: str
+) -> None:
+    """nvme_admission=seen_twice: a block evicted for the first time is
+    dropped (a one-hit block costs no disk write); evicted again after it
+    was stored again, it is spilled."""
+    with TieredStore(store_config(eviction_policy=eviction, nvme_admission="seen_twice")) as s:
+        keys = chain_keys(layout, np.arange(8 * 400))
+        data = blocks_for(keys, layout.block_bytes)
+        for i in range(0, 400, 50):  # 1 MiB of DRAM holds 128 blocks of 8 KiB
+            assert all(s.put(layout, keys[i : i + 50], data[i : i + 50]))
+        stat = s.stat()
+        evicted = stat["tiers"]["dram"]["evictions"]
+        assert evicted >= 272 and stat["store"]["spill_skipped_admission"] == evicted
+        assert stat["store"]["spilled_blocks"] == stat["tiers"]["nvme"]["num_blocks"] == 0
+        assert s.lookup(layout, keys).num_hits == 0  # the first blocks are gone
+        assert s.get(layout, keys[:1]) == []
+
+        for i in range(0, 400, 50):  # again: keys[:272] are evicted a second time
+            assert all(s.put(layout, keys[i : i + 50], data[i : i + 50]))
+        res = s.lookup(layout, keys[:272])
+        assert res.num_hits == 272 and res.tiers[0] == TierName.NVME
+        assert s.stat()["tiers"]["nvme"]["num_blocks"] >= 272 - 128
+        assert s.get(layout, keys[:20]) == data[:20]
+
+
+def test_admission_filter_under_explicit_demotion(
+    store_config, layout: KVLayout, eviction: str, admission: str
+) -> None:
+    keys = chain_keys(layout, np.arange(8 * 10))
+    data = blocks_for(keys, layout.block_bytes)
+    with TieredStore(store_config(eviction_policy=eviction, nvme_admission=admission)) as s:
+        assert all(s.put(layout, keys, data)) and s.demote(keys) == 10
+        if admission == "seen_twice":  # offered once: dropped, not written
+            assert s.lookup(layout, keys).num_hits == 0
+            assert s.stat()["store"]["spill_skipped_admission"] == 10
+            assert all(s.put(layout, keys, data)) and s.demote(keys) == 10
+        assert s.lookup(layout, keys).tiers == (TierName.NVME,) * 10
+        assert s.get(layout, keys) == data
+        assert s.stat()["store"]["spilled_blocks"] == 10
+
+
 def test_prefix_spans_tiers_and_stops_at_gap(store: TieredStore, layout: KVLayout) -> None:
     keys = chain_keys(layout, np.arange(8 * 6))
     data = blocks_for(keys, layout.block_bytes)
@@ -78,13 +138,13 @@ def test_residency_is_answered_by_the_tier(store: TieredStore, layout: KVLayout)
     assert store.get(layout, keys) == []
 
 
-def test_restart_serves_what_nvme_holds(store_config, layout: KVLayout) -> None:
+def test_restart_serves_what_nvme_holds(store_config, layout: KVLayout, eviction: str) -> None:
     keys = chain_keys(layout, np.arange(8 * 5))
     data = blocks_for(keys, layout.block_bytes)
-    with TieredStore(store_config()) as s:
+    with TieredStore(store_config(eviction_policy=eviction)) as s:
         s.put(layout, keys, data)
         s.demote(keys[:3])
-    with TieredStore(store_config()) as s:
+    with TieredStore(store_config(eviction_policy=eviction)) as s:
         res = s.lookup(layout, keys)
         assert res.num_hits == 3 and res.tiers == (TierName.NVME,) * 3
         assert s.get(layout, keys) == data[:3]
@@ -116,20 +176,46 @@ def test_pinned_blocks_survive_pressure(store: TieredStore, layout: KVLayout) ->
     assert store.release(keys[:10]) == 10
 
 
-def test_background_demoter_keeps_dram_under_high_watermark(store_config, layout) -> None:
-    cfg = store_config(dram_high_watermark=0.5, dram_low_watermark=0.25)
+def test_background_demoter_spills_from_high_to_low_watermark(
+    store_config, layout: KVLayout, eviction: str
+) -> None:
+    """Past the high watermark the demoter spills victims to NVMe until DRAM
+    is at the low one, and no further: 100 blocks put at once (800 KiB of
+    1 MiB, above 0.5) leave 32 in DRAM (256 KiB, the 0.25 mark) and 68 on NVMe."""
+    cfg = store_config(eviction_policy=eviction, dram_high_watermark=0.5, dram_low_watermark=0.25)
     with TieredStore(cfg) as s:
+        capacity = s.dram.allocator.capacity_bytes
+        low_bytes = cfg.dram_low_watermark * capacity
         keys = chain_keys(layout, np.arange(8 * 100))
-        s.put(layout, keys, blocks_for(keys, layout.block_bytes))
-        deadline = time.monotonic() + 10
-        while s.dram.used_bytes() > s.config.dram_high_watermark * cfg.dram_bytes:
-            assert time.monotonic() < deadline, "demoter did not run"
+        data = blocks_for(keys, layout.block_bytes)
+        assert all(s.put(layout, keys, data))  # fits: nothing is evicted synchronously
+        deadline = time.monotonic() + WAIT_S
+        while s.dram.used_bytes() > low_bytes:
+            assert time.monotonic() < deadline, "the demoter did not reach the low watermark"
             time.sleep(0.02)
-        assert s.lookup(layout, keys).num_hits == 100
+        # It stops at the low mark: one block less would already be below it.
+        assert low_bytes - layout.block_bytes < s.dram.used_bytes() <= low_bytes
+        res = s.lookup(layout, keys)
+        assert res.num_hits == 100
+        spilled = [k for k, t in zip(keys, res.tiers) if t == TierName.NVME]
+        assert len(spilled) == 100 - int(low_bytes // layout.block_bytes) == 68
+        stat = s.stat()
+        assert stat["store"]["spilled_blocks"] == stat["tiers"]["nvme"]["num_blocks"] == 68
+        assert stat["tiers"]["dram"]["evictions"] == 68
+        assert s.nvme is not None
+        # The victims' bytes are on NVMe, verified, and only the victims' are.
+        assert s.nvme.contains(spilled) == [True] * 68
+        resident = [k for k in keys if k not in set(spilled)]
+        assert s.nvme.contains(resident) == [False] * 32
+        buf = bytearray(layout.block_bytes)
+        by_key = dict(zip(keys, data))
+        for key in spilled:
+            assert s.nvme.read_into(key, buf) == layout.block_bytes
+            assert bytes(buf) == by_key[key]
 
 
-def test_without_nvme_evictions_drop(store_config, layout) -> None:
-    with TieredStore(store_config(nvme_bytes=0)) as s:
+def test_without_nvme_evictions_drop(store_config, layout, eviction: str) -> None:
+    with TieredStore(store_config(nvme_bytes=0, eviction_policy=eviction)) as s:
         keys = chain_keys(layout, np.arange(8 * 300))
         for i in range(0, 300, 50):
             s.put(layout, keys[i : i + 50], blocks_for(keys[i : i + 50], layout.block_bytes))
