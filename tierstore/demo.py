@@ -14,7 +14,12 @@ checks that the warm logits equal the cold ones, and shows which tier every
 reused block came from. Everything it started is stopped and removed at the
 end, on error and on Ctrl-C too.
 
-Runs in the foreground; the sidecars are child processes.
+The progress bar (stderr; off with ``--json``) has one stretch per stage; a
+stage that runs the model moves through its stretch one decoder layer at a
+time, so the bar moves during a long prefill without splitting it (a prefill
+in chunks would not give the cold prefill's exact logits).
+
+Runs in the foreground, on one thread; the sidecars are child processes.
 """
 
 from __future__ import annotations
@@ -119,6 +124,61 @@ def two_hosts(min_tokens: int, keep: bool = False) -> Iterator[tuple[DemoHost, D
             shutil.rmtree(root, ignore_errors=True)
 
 
+class StageBar:
+    """A tqdm bar of ``num_stages`` stages of ``ticks_per_stage`` ticks each.
+
+    ``stage(what, model)`` wraps one stage; with ``model``, forward hooks on
+    its decoder layers tick once per layer of the stage's first forward pass
+    (its prefill: the long one; decode steps after it do not move the bar).
+    The stage's stretch is filled when it ends. Used on the model's thread.
+    """
+
+    def __init__(
+        self, num_stages: int, ticks_per_stage: int, enabled: bool, file: Any = None
+    ) -> None:
+        from tqdm import tqdm
+
+        self.ticks_per_stage = ticks_per_stage
+        self.ticks = 0  # ours: a disabled tqdm does not count
+        self.bar = tqdm(
+            total=num_stages * ticks_per_stage,
+            desc="tierstore demo",
+            disable=not enabled,
+            file=file if file is not None else sys.stderr,
+            bar_format="{desc}: {percentage:3.0f}% {bar} {elapsed}{postfix}",
+            mininterval=0,  # a few dozen ticks in all: show each layer
+            miniters=1,
+        )
+
+    def _advance(self, ticks: int) -> None:
+        self.ticks += ticks
+        self.bar.update(ticks)
+
+    @contextlib.contextmanager
+    def stage(self, what: str, model: Any = None) -> Iterator[None]:
+        start = self.ticks
+        self.bar.set_postfix_str(what)
+        layers = list(model.model.layers) if model is not None else []
+
+        def tick(*_: Any) -> None:
+            done = self.ticks - start
+            if done < len(layers) and done < self.ticks_per_stage:
+                self.bar.set_postfix_str(f"{what}: layer {done + 1}/{len(layers)}", refresh=False)
+                self._advance(1)
+
+        hooks = [layer.register_forward_hook(tick) for layer in layers]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self.bar.set_postfix_str(what, refresh=False)
+        self._advance(start + self.ticks_per_stage - self.ticks)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def build_model(hidden: int, layers: int, seed: int) -> Any:
     """A Llama-family model with random weights, float32, eager attention."""
     import torch
@@ -139,6 +199,9 @@ def build_model(hidden: int, layers: int, seed: int) -> Any:
     return LlamaForCausalLM(config).eval()
 
 
+NUM_STAGES = 6  # sidecars and model, 2 turns on A, cold and warm on B, cleanup
+
+
 def run(
     tokens: int = 3072,
     hidden: int = 256,
@@ -148,22 +211,9 @@ def run(
 ) -> dict[str, Any]:
     """The whole demo; returns the figures (see the module docstring)."""
     import torch
-    from tqdm import tqdm
 
     from tierstore.client import StoreClient
     from tierstore.engines.hf import HFStoreAdapter
-
-    steps = tqdm(
-        total=7,
-        desc="tierstore demo",
-        unit="step",
-        disable=not show_progress,
-        bar_format="{desc}: {n}/{total} {bar} {elapsed} {postfix}",
-    )
-
-    def step(what: str) -> None:
-        steps.set_postfix_str(what)
-        steps.update(1)
 
     gen = torch.Generator().manual_seed(7)
     # An agent-like conversation: a long first prompt (system, tools, files),
@@ -176,22 +226,29 @@ def run(
         "prompt_tokens": tokens,
         "model": {"hidden": hidden, "layers": layers},
     }
-    with two_hosts(min_tokens=min(turn_tokens[0], 8192), keep=keep) as (host_a, host_b):
-        step("sidecars up")
-        model = build_model(hidden, layers, seed=0)
-        with (
-            StoreClient(str(host_a.socket), name="engine-A", hbm_bytes=256 << 20) as client_a,
-            StoreClient(str(host_b.socket), name="engine-B", hbm_bytes=256 << 20) as client_b,
-        ):
+    bar = StageBar(NUM_STAGES, layers, enabled=show_progress)
+    try:
+        with contextlib.ExitStack() as stack:
+            with bar.stage("starting host A and host B"):
+                hosts = two_hosts(min_tokens=min(turn_tokens[0], 8192), keep=keep)
+                host_a, host_b = stack.enter_context(hosts)
+                model = build_model(hidden, layers, seed=0)
+            client_a = stack.enter_context(
+                StoreClient(str(host_a.socket), name="engine-A", hbm_bytes=256 << 20)
+            )
+            client_b = stack.enter_context(
+                StoreClient(str(host_b.socket), name="engine-B", hbm_bytes=256 << 20)
+            )
             engine_a = HFStoreAdapter(model, client_a)
             engine_b = HFStoreAdapter(model, client_b)
             history = torch.empty(0, dtype=torch.long)
             turns = []
             for i, user in enumerate(user_turns[:2]):
                 history = torch.cat([history, user])
-                out = engine_a.generate(history, new_tokens)
-                engine_a.save(history, out.prompt.cache)
-                reply = engine_a.end_turn(session, history, wait=True)
+                with bar.stage(f"turn {i + 1} on host A ({history.numel()} tokens)", model):
+                    out = engine_a.generate(history, new_tokens)
+                    engine_a.save(history, out.prompt.cache)
+                    reply = engine_a.end_turn(session, history, wait=True)
                 turns.append(
                     {
                         "turn": i + 1,
@@ -205,38 +262,36 @@ def run(
                     }
                 )
                 history = torch.cat([history, torch.tensor(out.tokens)])
-                step(f"turn {i + 1} on host A")
             # Host A is busy: the session's next turn lands on host B.
             history = torch.cat([history, user_turns[2]])
-            cold = engine_b.prefill(history)
-            step("cold prefill on host B")
-            warm = engine_b.resume(history, include_peers=True)
-            step("warm resume on host B")
-            logits_equal = bool(torch.equal(cold.logits, warm.logits))
-            cold_next = int(torch.argmax(cold.logits))
-            warm_next = int(torch.argmax(warm.logits))
+            with bar.stage(f"cold prefill on host B ({history.numel()} tokens)", model):
+                cold = engine_b.prefill(history)
+            with bar.stage("warm resume on host B", model):
+                warm = engine_b.resume(history, include_peers=True)
             stat_b = client_b.stat()
-            step("compared")
-        result.update(
-            {
-                "turns": turns,
-                "switch_prompt_tokens": int(history.numel()),
-                "cold_ttft_s": cold.model_s,
-                "warm_ttft_s": warm.store_s + warm.restore_s + warm.model_s,
-                "warm_store_s": warm.store_s,
-                "warm_restore_s": warm.restore_s,
-                "warm_model_s": warm.model_s,
-                "reused_tokens": warm.num_reused_tokens,
-                "logits_equal": logits_equal,
-                "same_next_token": cold_next == warm_next,
-                "blocks_by_tier": dict(Counter(str(t) for t in warm.tiers)),
-                "replicas_imported_on_b": int(stat_b.counters.get("peer_replicas_imported", 0)),
-                "fetched_from_peer_on_b": int(stat_b.counters.get("peer_fetched_blocks", 0)),
-            }
-        )
-        result["speedup"] = result["cold_ttft_s"] / max(result["warm_ttft_s"], 1e-9)
-        step("cleaning up")
-    steps.close()
+            result.update(
+                {
+                    "turns": turns,
+                    "switch_prompt_tokens": int(history.numel()),
+                    "cold_ttft_s": cold.model_s,
+                    "warm_ttft_s": warm.store_s + warm.restore_s + warm.model_s,
+                    "warm_store_s": warm.store_s,
+                    "warm_restore_s": warm.restore_s,
+                    "warm_model_s": warm.model_s,
+                    "reused_tokens": warm.num_reused_tokens,
+                    "logits_equal": bool(torch.equal(cold.logits, warm.logits)),
+                    "same_next_token": int(torch.argmax(cold.logits))
+                    == int(torch.argmax(warm.logits)),
+                    "blocks_by_tier": dict(Counter(str(t) for t in warm.tiers)),
+                    "replicas_imported_on_b": int(stat_b.counters.get("peer_replicas_imported", 0)),
+                    "fetched_from_peer_on_b": int(stat_b.counters.get("peer_fetched_blocks", 0)),
+                }
+            )
+            result["speedup"] = result["cold_ttft_s"] / max(result["warm_ttft_s"], 1e-9)
+            with bar.stage("stopping host A and host B"):
+                stack.close()
+    finally:
+        bar.close()
     return result
 
 

@@ -1,13 +1,19 @@
-"""`tierstore demo` end to end: two sidecars, a session switch, cleanup."""
+"""`tierstore demo` end to end: two sidecars, a session switch, cleanup;
+its progress bar moves through a prefill."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
+
+from tierstore.demo import StageBar, build_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,7 +26,8 @@ def test_demo_json_is_warm_exact_and_cleans_up() -> None:
          "--tokens", "768", "--hidden", "64", "--layers", "2"],
         capture_output=True, text=True, timeout=300, cwd=REPO, check=True,
     )  # fmt: skip
-    result = json.loads(out.stdout)
+    result = json.loads(out.stdout)  # nothing but the JSON on stdout
+    assert "tierstore demo:" not in out.stderr  # and no bar on stderr either
     assert result["logits_equal"] is True and result["same_next_token"] is True
     assert result["reused_tokens"] > 0
     assert sum(result["blocks_by_tier"].values()) * 16 == result["reused_tokens"]
@@ -31,3 +38,30 @@ def test_demo_json_is_warm_exact_and_cleans_up() -> None:
     assert tmp_after <= tmp_before  # its files are removed
     leftover = {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("tierstore-")}
     assert not leftover  # its sidecars stopped and unlinked their arenas
+
+
+def test_progress_bar_moves_through_the_prefill() -> None:
+    """One tick per decoder layer of a stage's first forward pass (the
+    prefill), none for the decode steps after it; the stage fills its stretch."""
+    model = build_model(hidden=64, layers=3, seed=0)
+    stream = io.StringIO()
+    bar = StageBar(num_stages=2, ticks_per_stage=3, enabled=True, file=stream)
+    seen: list[int] = []
+    with bar.stage("prefill", model):
+        # Registered after the bar's hooks, so they run after its tick.
+        probes = [
+            layer.register_forward_hook(lambda *_: seen.append(bar.ticks))
+            for layer in model.model.layers
+        ]
+        with torch.no_grad():
+            out = model(input_ids=torch.arange(40)[None], use_cache=True)
+            model(input_ids=torch.tensor([[1]]), cache=out.cache)
+        for probe in probes:
+            probe.remove()
+    assert seen == [1, 2, 3, 3, 3, 3]
+    with bar.stage("no model"):
+        pass
+    assert bar.ticks == 6
+    bar.close()
+    shown = stream.getvalue()
+    assert "prefill: layer 2/3" in shown and "100%" in shown
