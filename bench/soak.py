@@ -4,14 +4,17 @@ Alternates, until ``--minutes`` pass, a crash phase (a writer and a loader
 client drive a sidecar with a 1 MiB arena over a 4 MiB NVMe tier; the sidecar
 is SIGKILLed at a random moment, restarted, and every block its NVMe index
 lists is loaded and compared with the bytes derived from its key) and an
-overload phase (``--clients`` client processes doing stores, loads, lookups
-and prefetches against one sidecar for ``--phase-s`` seconds, some SIGKILLed
-and replaced; every committed block must load byte-exact afterwards). The
-sidecar's memory is sampled throughout.
+overload phase (``--clients`` client processes doing stores, loads, lookups,
+prefetches and pulls of chains only a peer sidecar holds, against one sidecar
+for ``--phase-s`` seconds, some SIGKILLed and replaced; every committed block
+must load byte-exact afterwards). The sidecar's memory is sampled throughout
+and compared with the bound derived from its config
+(``tests.reliability.memory_bounds``).
 
 Prints one JSON object: kills survived, restart-to-serving p50/max, faults
-injected by kind, operations done, max RSS against the configured bounds,
-p50/p99 latencies, and any violation found (empty when all held).
+injected by kind, operations done, max RSS against the configured bounds
+(``rss_within_bound``), p50/p99 latencies, and any violation found (empty
+when all held).
 
     python bench/soak.py --minutes 10
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import socket
 import sys
 import tempfile
 import time
@@ -34,11 +38,13 @@ from tests.reliability import (
     RssSampler,
     Sidecar,
     arenas_of,
+    blocks_of,
     chain,
     count_wrong,
     crash_loader,
     crash_writer,
     index_keys,
+    memory_bounds,
     overload_worker,
     percentile,
     read_events,
@@ -52,8 +58,42 @@ from tierstore.client import StoreClient
 CRASH_DRAM, CRASH_NVME = 1 << 20, 4 << 20
 LOAD_DRAM, LOAD_NVME = 8 << 20, 256 << 20
 CHAIN_BLOCKS = 16
-BASE_RSS_BOUND_BYTES = 256 << 20
-QUEUE_RSS_BOUND_BYTES = 128 << 20
+MAX_CLIENTS, RPC_THREADS = 64, 16  # server config of every soak sidecar (the defaults)
+SERVER_ARGS = ("--set", f"max_clients={MAX_CLIENTS}", "--set", f"rpc_threads={RPC_THREADS}")
+PEER_DRAM = 8 << 20
+PEER_CHAIN_BLOCKS = 64
+PEER_TOKEN = "soak-token"
+BOUNDS = {
+    "crash": memory_bounds(CRASH_DRAM, MAX_CLIENTS, RPC_THREADS, peer_port=False),
+    "overload": memory_bounds(LOAD_DRAM, MAX_CLIENTS, RPC_THREADS, peer_port=True),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def memory_report(out: dict) -> tuple[dict, bool]:
+    """Max memory of each phase's sidecar next to its bound (KiB), and whether all held."""
+    report, ok = {}, True
+    for phase, mem in out["max_rss_kib"].items():
+        bound = BOUNDS[phase]
+        checks = {"VmHWM": bound["rss"], "RssAnon": bound["anon"], "RssShmem": bound["shmem"]}
+        within = all(mem.get(k, 0) * 1024 <= v for k, v in checks.items())
+        report[phase] = {
+            "max_kib": mem,
+            "bound_kib": {k: v >> 10 for k, v in checks.items()},
+            "within_bound": within,
+        }
+        ok = ok and within
+    return report, ok
+
+
+def merge_max(out: dict, phase: str, mem: dict) -> None:
+    prev = out["max_rss_kib"].get(phase, {})
+    out["max_rss_kib"][phase] = {k: max(v, prev.get(k, 0)) for k, v in mem.items()}
 
 
 def verify_listed(sidecar: Sidecar, keys: list[bytes]) -> tuple[int, int, int]:
@@ -74,7 +114,7 @@ def verify_listed(sidecar: Sidecar, keys: list[bytes]) -> tuple[int, int, int]:
 
 
 def crash_phase(root: Path, ctx, rng: random.Random, cycles: int, out: dict) -> None:
-    sidecar = Sidecar(root, dram=str(CRASH_DRAM), nvme=str(CRASH_NVME))
+    sidecar = Sidecar(root, *SERVER_ARGS, dram=str(CRASH_DRAM), nvme=str(CRASH_NVME))
     procs: list = []
     sampler = None
     try:
@@ -121,14 +161,33 @@ def crash_phase(root: Path, ctx, rng: random.Random, cycles: int, out: dict) -> 
                         out["violations"].append("loader got wrong bytes")
     finally:
         if sampler is not None:
-            mem = sampler.stop()
-            out["max_rss_kib"]["crash"] = max(out["max_rss_kib"].get("crash", 0), mem["VmHWM"])
+            merge_max(out, "crash", sampler.stop())
         reap(procs, timeout_s=1.0)
         sidecar.stop()
 
 
+def seed_peer(peer: Sidecar, base: int) -> list[tuple[int, int]]:
+    """Chains only the peer holds (half its DRAM), for the clients' pulls."""
+    chains = [(base + 900 + i, PEER_CHAIN_BLOCKS) for i in range(4)]
+    with StoreClient(str(peer.socket), name="soak-peer-seed") as client:
+        for cid, n in chains:
+            keys = chain(cid, n)
+            client.store(LAYOUT, keys, blocks_of(keys))
+    return chains
+
+
 def overload_phase(root: Path, ctx, rng: random.Random, args, out: dict) -> None:
-    sidecar = Sidecar(root, dram=str(LOAD_DRAM), nvme=str(LOAD_NVME))
+    port, peer_port = free_port(), free_port()
+    common = (*SERVER_ARGS, "--set", f"peer_token={PEER_TOKEN}", "--set", "min_tokens=1000000",
+              "--set", "peer_lookup_timeout_s=2")  # fmt: skip
+    sidecar = Sidecar(
+        root / "a", "--set", f"peer_port={port}", "--set", f"peers=127.0.0.1:{peer_port}",
+        *common, dram=str(LOAD_DRAM), nvme=str(LOAD_NVME),
+    )  # fmt: skip
+    peer = Sidecar(
+        root / "b", "--set", f"peer_port={peer_port}", "--set", f"peers=127.0.0.1:{port}",
+        *common, dram=str(PEER_DRAM), nvme="8MiB",
+    )  # fmt: skip
     procs: list = []
     logs: list[Path] = []
     sampler = None
@@ -136,8 +195,10 @@ def overload_phase(root: Path, ctx, rng: random.Random, args, out: dict) -> None
     max_chains = LOAD_NVME // 2 // (CHAIN_BLOCKS * LAYOUT.block_bytes) // (args.clients + 8)
     try:
         sidecar.start()
-        sampler = RssSampler(sidecar)
+        peer.start()
         base = 1000 * (out["phases"] + 1)
+        peer_chains = seed_peer(peer, base)
+        sampler = RssSampler(sidecar)
 
         def spawn(seed: int, duration_s: float):
             log = root / f"o{seed}.jsonl"
@@ -151,7 +212,7 @@ def overload_phase(root: Path, ctx, rng: random.Random, args, out: dict) -> None
                     duration_s,
                     CHAIN_BLOCKS,
                     max_chains,
-                    [],
+                    peer_chains,
                 ),
             )
             p.start()
@@ -192,11 +253,10 @@ def overload_phase(root: Path, ctx, rng: random.Random, args, out: dict) -> None
         out["ops"]["committed_blocks_verified"] += len(committed) * CHAIN_BLOCKS
     finally:
         if sampler is not None:
-            mem = sampler.stop()
-            prev = out["max_rss_kib"].get("overload", {})
-            out["max_rss_kib"]["overload"] = {k: max(v, prev.get(k, 0)) for k, v in mem.items()}
+            merge_max(out, "overload", sampler.stop())
         reap(procs, timeout_s=1.0)
         sidecar.stop()
+        peer.stop()
 
 
 def main() -> int:
@@ -212,7 +272,7 @@ def main() -> int:
         "restart_s": [],
         "faults": Counter(),
         "ops": Counter(),
-        "latency_s": {"lookup": [], "load": [], "store": [], "prefetch": []},
+        "latency_s": {"lookup": [], "load": [], "store": [], "prefetch": [], "peer_load": []},
         "max_rss_kib": {},
         "violations": [],
         "leaked_reserved_slots": 0,
@@ -231,6 +291,9 @@ def main() -> int:
     finally:
         stop_forkserver()
     restart = out["restart_s"]
+    memory, rss_ok = memory_report(out)
+    if not rss_ok:
+        out["violations"].append("sidecar memory beyond its configured bound")
     print(
         json.dumps(
             {
@@ -245,13 +308,8 @@ def main() -> int:
                 "faults_injected": dict(out["faults"]),
                 "ops": dict(out["ops"]),
                 "latency": {op: summary(v) for op, v in out["latency_s"].items()},
-                "max_rss_kib": out["max_rss_kib"],
-                "rss_bounds_kib": {
-                    "crash_vmhwm": (CRASH_DRAM + BASE_RSS_BOUND_BYTES + QUEUE_RSS_BOUND_BYTES)
-                    >> 10,
-                    "overload_vmhwm": (LOAD_DRAM + BASE_RSS_BOUND_BYTES + QUEUE_RSS_BOUND_BYTES)
-                    >> 10,
-                },
+                "rss_within_bound": rss_ok,
+                "memory": memory,
                 "leaked_reserved_slots": out["leaked_reserved_slots"],
                 "violations": out["violations"][:20],
             },

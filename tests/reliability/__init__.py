@@ -9,6 +9,8 @@ Provides:
   namespace) with SIGKILL, restart-to-serving timing, RSS sampling and its log;
 - ``index_keys``: the keys an NVMe tier's LMDB index lists (read while no
   sidecar holds the directory);
+- ``memory_bounds``: a sidecar's memory bound from its config and the limits
+  its code sets (``RssSampler`` measures against it);
 - worker functions run in client processes (``workers()`` gives a forkserver
   context that imports torch and tierstore once, so 16 clients start in
   milliseconds instead of 4 s of imports each). Workers report one JSON line
@@ -40,7 +42,9 @@ import grpc
 import lmdb
 import numpy as np
 
+from tierstore import server as local_service
 from tierstore.keys import BlockKey, KVLayout, chain_keys
+from tierstore.peer import service as peer_service
 from tierstore.v1 import local_pb2, local_pb2_grpc
 
 from ..integration.sidecar import serve_args
@@ -250,6 +254,37 @@ class RssSampler:
         self._thread.join(5)
         keys = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
         return {k: max((s.get(k, 0) for s in self.samples), default=0) for k in keys}
+
+
+# Interpreter, grpc, numpy, lmdb, blake3, code pages and rpc thread stacks: an
+# idle sidecar here is ~75 MiB RSS (~35 anonymous, ~32 file-backed); the rest
+# is room for heap growth under load.
+BASE_RSS_BOUND_BYTES = 256 << 20
+# The peer service admits this many RPCs at once: a literal in
+# tierstore/peer/service.py (PeerServer), not a config field.
+PEER_MAX_CONCURRENT_RPCS = 64
+
+
+def memory_bounds(
+    dram_bytes: int, max_clients: int, rpc_threads: int, peer_port: bool
+) -> dict[str, int]:
+    """The sidecar's memory bound (bytes) from its config and code limits.
+
+    Every RPC a gRPC server admits may hold one received message of the
+    largest size it accepts while its handler runs (larger ones are refused
+    before they are read whole). The local service admits ``max_clients + 4 *
+    rpc_threads`` RPCs (tierstore/sidecar.py) of at most
+    ``server.MAX_MESSAGE_BYTES``; the peer service PEER_MAX_CONCURRENT_RPCS of
+    ``peer.service.MAX_MESSAGE_BYTES`` (with ``peer_port`` set). Replies are built from at most
+    ``max_batch_keys`` keys, far below either. Block bytes never travel in
+    messages: they live in the arena (and the peer data channel reads frames
+    straight into arena slots).
+    """
+    local = (max_clients + 4 * rpc_threads) * local_service.MAX_MESSAGE_BYTES
+    peer = PEER_MAX_CONCURRENT_RPCS * peer_service.MAX_MESSAGE_BYTES if peer_port else 0
+    anon = BASE_RSS_BOUND_BYTES + local + peer
+    return {"local_messages": local, "peer_messages": peer, "anon": anon,
+            "shmem": dram_bytes, "rss": dram_bytes + anon}  # fmt: skip
 
 
 # -- client worker processes ----------------------------------------------------------

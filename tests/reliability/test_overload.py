@@ -26,17 +26,17 @@ from pathlib import Path
 
 import pytest
 
-from tierstore import server as local_service
 from tierstore.client import StoreClient
-from tierstore.peer import service as peer_service
 
 from . import (
+    BASE_RSS_BOUND_BYTES,
     LAYOUT,
     RssSampler,
     Sidecar,
     blocks_of,
     chain,
     count_wrong,
+    memory_bounds,
     overload_worker,
     read_events,
     reap,
@@ -55,34 +55,7 @@ NVME_BYTES = 160 << 20
 PEER_CHAINS = [(900_000 + i, 64) for i in range(4)]
 MAX_CLIENTS = 32  # server config: 20 live clients at most, plus the verifier
 RPC_THREADS = 16
-# Interpreter, grpc, numpy, lmdb, blake3, code pages and 48 rpc thread stacks:
-# an idle sidecar here is ~75 MiB RSS (~35 anonymous, ~32 file-backed); the
-# rest is room for heap growth under load.
-BASE_RSS_BOUND_BYTES = 256 << 20
-# The peer service admits this many RPCs at once: a literal in
-# tierstore/peer/service.py (PeerServer), not a config field.
-PEER_MAX_CONCURRENT_RPCS = 64
 TOKEN = "overload-token"
-
-
-def memory_bounds(dram_bytes: int, max_clients: int, rpc_threads: int) -> dict[str, int]:
-    """The sidecar's memory bound (bytes) from its config and code limits.
-
-    Every RPC a gRPC server admits may hold one received message of the
-    largest size it accepts while its handler runs (larger ones are refused
-    before they are read whole). The local service admits ``max_clients + 4 *
-    rpc_threads`` RPCs (tierstore/sidecar.py) of at most
-    ``server.MAX_MESSAGE_BYTES``; the peer service PEER_MAX_CONCURRENT_RPCS of
-    ``peer.service.MAX_MESSAGE_BYTES``. Replies are built from at most
-    ``max_batch_keys`` keys, far below either. Block bytes never travel in
-    messages: they live in the arena (and the peer data channel reads frames
-    straight into arena slots).
-    """
-    local = (max_clients + 4 * rpc_threads) * local_service.MAX_MESSAGE_BYTES
-    peer = PEER_MAX_CONCURRENT_RPCS * peer_service.MAX_MESSAGE_BYTES
-    anon = BASE_RSS_BOUND_BYTES + local + peer
-    return {"local_messages": local, "peer_messages": peer, "anon": anon,
-            "shmem": dram_bytes, "rss": dram_bytes + anon}  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -188,7 +161,7 @@ def test_sixteen_clients_and_a_peer(tmp_path: Path) -> None:
                 wrong += count_wrong(keys, res.blocks, res.num_blocks)
         assert wrong == 0 and missing == 0, f"{missing} committed blocks lost, {wrong} wrong"
 
-        bounds = memory_bounds(DRAM_BYTES, MAX_CLIENTS, RPC_THREADS)
+        bounds = memory_bounds(DRAM_BYTES, MAX_CLIENTS, RPC_THREADS, peer_port=True)
         lookups = [e["s"] for e in by_op.get("lookup", [])]
         ops = ", ".join(f"{op} {len(v)}" for op, v in sorted(by_op.items()))
         lines = [
