@@ -346,7 +346,6 @@ def test_added_latency(relayed: Relayed) -> None:
     relayed.relay.delay_s = DELAY_S
     try:
         with StoreClient(str(relayed.a.socket), name="engine-a2") as client:
-            # A2's channel may be new: see test_first_connect_over_slow_link.
             short_lookups = wait_peer_reachable(client, others, 20.0)
             # A deadline shorter than a round trip: the load gives up in time.
             short_s = DELAY_S
@@ -392,15 +391,11 @@ print(round(time.monotonic() - t0, 2))
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tierstore/peer/tier.py RECONNECT_OPTIONS sets grpc.min_reconnect_backoff_ms=100, "
-    "which gRPC also takes as its minimum connect timeout: a first (or re-) connect to a "
-    "peer ~200 ms round trip away fails (UNAVAILABLE after 0.1 s), so its lookups miss",
-)
 def test_first_connect_over_slow_link(pair: Pair, relayed: Relayed) -> None:
     """A new PeerClient (the sidecar's, with its channel options) in A's
-    namespace finds a peer's blocks with its first lookup across the slow link."""
+    namespace finds a peer's blocks with its first lookup across the slow link
+    (gRPC takes min_reconnect_backoff_ms as the shortest connect attempt: at
+    100 ms such a peer could never be connected)."""
     put_on(relayed.b, 40, 64)
     relayed.relay.delay_s = DELAY_S
     try:

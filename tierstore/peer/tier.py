@@ -35,10 +35,12 @@ from tierstore.keys import BlockKey, KVLayout
 from tierstore.peer import codec
 from tierstore.peer.data import ReceiveResult, receive_blocks
 from tierstore.policies import rendezvous_target
+from tierstore.ratelog import RateLimitedLog
 from tierstore.store import TieredStore
 from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger(__name__)
+_faults = RateLimitedLog(log)  # per kind and peer: a flapping peer must not flood the log
 
 MAX_SESSIONS = 4096  # sessions whose last turn's keys are remembered
 LINK_PROBE_MIN_BYTES = 16 << 20  # raw transfers at least this large measure the link
@@ -46,7 +48,9 @@ LINK_REPROBE_EVERY = 8  # with compression on, every 8th transfer goes raw to re
 REPLICATOR_THREADS = 4  # replica pushes in flight at once
 RECONNECT_OPTIONS = [  # a restarted peer is seen again within ~2 s (gRPC default: up to 120 s)
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    # gRPC also takes this as the shortest time a connection attempt is given:
+    # at 100 ms, a peer ~200 ms of round trip away could never be connected.
+    ("grpc.min_reconnect_backoff_ms", 2000),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 MAX_MESSAGE_BYTES = 4 << 20
@@ -283,16 +287,22 @@ class PeerTier:
             )
         except (grpc.RpcError, OSError) as e:
             self.count("fetch_timeouts" if _timed_out(e, deadline) else "fetch_errors")
-            log.warning("fetch from %s failed: %s", peer.address, _rpc_text(e))
+            _faults.warning(
+                f"fetch:{peer.address}", "fetch from %s failed: %s", peer.address, _rpc_text(e)
+            )
             return ReceiveResult(error=str(e))
         self.count("fetched_blocks", result.received)
         self.count("fetched_bytes", result.bytes)
         if result.verify_failures:
             self.count("fetch_verify_failures", result.verify_failures)
-            log.warning("fetch from %s: a block failed verification", peer.address)
+            _faults.warning(
+                f"verify:{peer.address}", "fetch from %s: a block failed verification", peer.address
+            )
         if result.error:
             self.count("fetch_timeouts" if _timed_out(None, deadline) else "fetch_errors")
-            log.warning("fetch from %s ended early: %s", peer.address, result.error)
+            _faults.warning(
+                f"early:{peer.address}", "fetch from %s ended early: %s", peer.address, result.error
+            )
         return result
 
     def _compress(self, peer: PeerClient, layout: KVLayout) -> bool:
@@ -365,8 +375,12 @@ class PeerTier:
             )
         except grpc.RpcError as e:
             self.count("push_errors")
-            log.warning(
-                "replica push of %s to %s failed: %s", push.session, push.target, _rpc_text(e)
+            _faults.warning(
+                f"push:{push.target}",
+                "replica push of %s to %s failed: %s",
+                push.session,
+                push.target,
+                _rpc_text(e),
             )
             return
         self.count("pushed_blocks", push.reply.imported)
@@ -404,7 +418,12 @@ class PeerTier:
         committed: list[BlockKey] = []
         try:
             if peer is None:
-                log.warning("replica push from %s, which is not in this group's peers", source)
+                # One kind for every unknown source: the name comes off the wire.
+                _faults.warning(
+                    "push-unknown",
+                    "replica push from %s, which is not in this group's peers",
+                    source,
+                )
                 return reply
             result = self._fetch(peer, layout, missing[:fits], deadline)
             committed = result.keys
