@@ -18,8 +18,9 @@ blake3 or could not be read in full, with its offset and file (nvme.py
 On a full disk the NVMe tier caps itself at what its data file holds and
 evicts old blocks for new ones (nvme.py ``_full_at_bytes``), but its LMDB index
 lives on the same full filesystem: many index commits fail with ENOSPC too,
-so a large share of later spills keeps failing (counted, and logged only as
-the store's failed spill). The test asserts both halves of that.
+so a large share of later spills keeps failing (counted, and logged as the
+failed index commit and the store's failed spill). The test asserts both
+halves of that.
 
 Mounting needs root and mount(8); those tests skip without them.
 """
@@ -135,6 +136,7 @@ def test_full_disk(tmp_path: Path, small_disk: Path) -> None:
             store_chains(client, range(100, 120))
             stuck = sidecar.counters(), sidecar.tier("nvme")
             assert stuck[0]["spill_failures"] > full[0]["spill_failures"], (full[0], stuck[0])
+            assert "No space left" in log_line(sidecar, r"NVMe index commit in .* failed")
 
             # Room freed on the filesystem (the ballast goes): the index commits
             # again, and the capped tier evicts old blocks for new ones.

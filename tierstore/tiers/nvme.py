@@ -431,7 +431,8 @@ class NvmeTier:
             self._dirty.clear()
         try:
             self._index.commit(put=put, delete=delete, records=dirty)
-        except lmdb.Error:
+        except lmdb.Error as e:
+            _faults.warning("index", "NVMe index commit in %s failed: %s", self.root, e)
             with self._lock:
                 self._dirty.update(k for k, _ in dirty)
             raise
