@@ -150,6 +150,7 @@ class PeerConfig:
     max_transfers: int = 8  # concurrent outgoing transfers served
     replicate_queue_max: int = 64  # replica pushes waiting; more are dropped and counted
     max_watchers: int = 4  # routers' WatchBlocks streams at once (one server thread each)
+    peer_max_rpcs: int = 64  # peer gRPC calls admitted at once; more get RESOURCE_EXHAUSTED
     watch_heartbeat_s: float = 2.0  # a WatchBlocks stream sends the load at least this often
 
     def __post_init__(self) -> None:
@@ -161,7 +162,13 @@ class PeerConfig:
             raise ConfigError("tls_cert_file and tls_key_file must be set together")
         if self.replica_bytes < 0:
             raise ConfigError(f"replica_bytes must be >= 0, got {self.replica_bytes}")
-        for name in ("min_tokens", "max_transfers", "replicate_queue_max", "max_watchers"):
+        for name in (
+            "min_tokens",
+            "max_transfers",
+            "replicate_queue_max",
+            "max_watchers",
+            "peer_max_rpcs",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in (

@@ -30,7 +30,8 @@ TIER_COUNTERS = (
     "write_failures",
     "read_failures",
 )
-GAUGE_COUNTERS = {"peer_watchers", "peer_tls", "replica_bytes"}  # counters that go down too, and flags
+# Counters that go down too, and flags.
+GAUGE_COUNTERS = {"peer_watchers", "peer_tls", "replica_bytes"}
 
 
 class SidecarCollector(Collector):

@@ -43,6 +43,7 @@ import lmdb
 import numpy as np
 
 from tierstore import server as local_service
+from tierstore.config import PeerConfig
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.peer import service as peer_service
 from tierstore.v1 import local_pb2, local_pb2_grpc
@@ -260,9 +261,8 @@ class RssSampler:
 # idle sidecar here is ~75 MiB RSS (~35 anonymous, ~32 file-backed); the rest
 # is room for heap growth under load.
 BASE_RSS_BOUND_BYTES = 256 << 20
-# The peer service admits this many RPCs at once: a literal in
-# tierstore/peer/service.py (PeerServer), not a config field.
-PEER_MAX_CONCURRENT_RPCS = 64
+# The peer service admits this many RPCs at once (PeerConfig.peer_max_rpcs).
+PEER_MAX_CONCURRENT_RPCS = PeerConfig().peer_max_rpcs
 
 
 def memory_bounds(

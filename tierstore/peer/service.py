@@ -256,7 +256,7 @@ class PeerServer:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
-            maximum_concurrent_rpcs=64,
+            maximum_concurrent_rpcs=cfg.peer_max_rpcs,
         )
         peer_pb2_grpc.add_PeerServiceServicer_to_server(self.servicer, self.server)
         bind = f"{cfg.peer_host}:{cfg.peer_port}"
