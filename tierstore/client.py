@@ -6,11 +6,13 @@ the client maps the sidecar's shared arena and copies between it and device
 memory (with CUDA the arena is registered as pinned memory and copies run on
 a side stream). An optional HBM tier (``hbm_bytes``) keeps recently stored
 and loaded blocks in a device pool and writes its LRU victims down to the
-sidecar.
+sidecar; a background thread reports the pool's counters to the sidecar
+every ``tier_report_s`` (``report_tiers``), so that ``tierstore stat`` shows
+the host's HBM tier too.
 
 Operations: ``register``, ``store``, ``load``, ``lookup``, ``acquire`` /
 ``release`` (zero-copy views into the arena), ``prefetch``, ``flush``,
-``stat``, ``close``.
+``stat``, ``report_load``, ``report_tiers``, ``close``.
 
 Runs in the engine process. A client may be used from several threads; the
 HBM pool's writes are serialised by one lock.
@@ -24,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import grpc
@@ -127,7 +129,10 @@ class StoreClient:
         device: Any = "cpu",
         connect_timeout_s: float = 10.0,
         call_timeout_s: float = 60.0,
+        tier_report_s: float = 2.0,
     ) -> None:
+        if not tier_report_s > 0:
+            raise ValueError(f"tier_report_s must be > 0, got {tier_report_s}")
         self.socket_path = socket_path or load_config().server.socket_path
         self.call_timeout_s = call_timeout_s
         self.device = torch.device(device)
@@ -171,6 +176,18 @@ class StoreClient:
         self.connected = True
         self._watcher = threading.Thread(target=self._watch, name="tierstore-attach", daemon=True)
         self._watcher.start()
+        # The HBM tier lives here: the sidecar shows it in `tierstore stat`
+        # from these reports (every tier_report_s, and once at the start).
+        self._stop_reports = threading.Event()
+        self._reporter: threading.Thread | None = None
+        if self.hbm is not None:
+            self._reporter = threading.Thread(
+                target=self._report_tiers_loop,
+                args=(tier_report_s,),
+                name="tierstore-tier-report",
+                daemon=True,
+            )
+            self._reporter.start()
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -181,6 +198,23 @@ class StoreClient:
         except grpc.RpcError:
             pass
         self.connected = False
+
+    def report_tiers(self) -> None:
+        """Send this client's HBM tier's counters to the sidecar now (a
+        background thread does it every ``tier_report_s``)."""
+        if self.hbm is None:
+            return
+        s = self.hbm.stats()
+        tier = common_pb2.TierStat(name=str(TierName.HBM), **asdict(s))
+        req = local_pb2.ReportTiersRequest(client_id=self.client_id, tiers=[tier])
+        self._call(self._stub.ReportTiers, req, "report tiers")
+
+    def _report_tiers_loop(self, every_s: float) -> None:
+        while True:
+            with contextlib.suppress(TierstoreError):  # a sidecar gone: nobody to tell
+                self.report_tiers()
+            if self._stop_reports.wait(every_s) or not self.connected:
+                return
 
     def _call(self, method: Any, request: Any, what: str) -> Any:
         try:
@@ -595,6 +629,9 @@ class StoreClient:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self._stop_reports.set()
+        if self._reporter is not None:
+            self._reporter.join(timeout=self.call_timeout_s)
         self._background.shutdown(wait=True)
         if self._fast is not None:
             self._fast.close()

@@ -44,6 +44,9 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tierstore.v1.LocalService"
 MAX_MESSAGE_BYTES = 4 << 20
+ENGINE_TIERS = (str(TierName.HBM),)  # tiers engines may report (ReportTiers), in display order
+U64_MAX = (1 << 64) - 1
+TIER_STAT_FIELDS = tuple(f for f in common_pb2.TierStat.DESCRIPTOR.fields_by_name if f != "name")
 
 
 class BadRequest(Exception):
@@ -102,6 +105,9 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         self._stopping = stopping
         self._clients: dict[int, ClientSession] = {}
         self._lock = threading.Lock()
+        # Tiers that live in the engines (their HBM pools), as each client last
+        # reported them (ReportTiers); under _lock, dropped on detach.
+        self._engine_tiers: dict[int, list[common_pb2.TierStat]] = {}
         self.counters: dict[str, int] = {
             "bad_requests": 0,
             "clients_attached": 0,
@@ -163,6 +169,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             if self._clients.pop(client_id, None) is None:
                 return
             self.counters["clients_detached"] += 1
+            self._engine_tiers.pop(client_id, None)
         self.loads.forget(client_id)
         aborted, pins = self.store.release_owner(client_id)
         self.count("leaked_reservations_released", aborted)
@@ -353,6 +360,34 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         return local_pb2.ReportLoadReply(host=host_load_proto(self.loads.host()))
 
     @_handler
+    def ReportTiers(
+        self, request: local_pb2.ReportTiersRequest, context: grpc.ServicerContext
+    ) -> local_pb2.ReportTiersReply:
+        owner = self._owner(request.client_id)
+        names = [t.name for t in request.tiers]
+        if any(n not in ENGINE_TIERS for n in names) or len(set(names)) != len(names):
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"engine tiers must be distinct names among {list(ENGINE_TIERS)}, got {names}",
+            )
+        with self._lock:
+            if owner in self._clients:  # not detached meanwhile
+                self._engine_tiers[owner] = list(request.tiers)
+        return local_pb2.ReportTiersReply()
+
+    def engine_tiers(self) -> list[common_pb2.TierStat]:
+        """The engines' tiers, each summed over the clients that reported it."""
+        with self._lock:
+            reports = [t for tiers in self._engine_tiers.values() for t in tiers]
+        summed: dict[str, common_pb2.TierStat] = {}
+        for t in reports:
+            total = summed.setdefault(t.name, common_pb2.TierStat(name=t.name))
+            for field in TIER_STAT_FIELDS:
+                # Saturating: a client's report of 2**64 - 1 must not break Stat.
+                setattr(total, field, min(getattr(total, field) + getattr(t, field), U64_MAX))
+        return [summed[name] for name in ENGINE_TIERS if name in summed]
+
+    @_handler
     def Release(
         self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
     ) -> local_pb2.CountReply:
@@ -417,11 +452,15 @@ def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
     pf = servicer.prefetcher.counters
     counters.update({f"prefetch_{k}": v for k, v in vars(pf).items()})
     now = time.time()
-    tier_fields = set(common_pb2.TierStat.DESCRIPTOR.fields_by_name) - {"name"}
     return local_pb2.StatReply(
         tiers=[
-            common_pb2.TierStat(name=name, **{k: v for k, v in t.items() if k in tier_fields})
-            for name, t in stat["tiers"].items()
+            *servicer.engine_tiers(),
+            *(
+                common_pb2.TierStat(
+                    name=name, **{k: v for k, v in t.items() if k in TIER_STAT_FIELDS}
+                )
+                for name, t in stat["tiers"].items()
+            ),
         ],
         counters={k: int(v) for k, v in counters.items()},
         clients=[

@@ -63,6 +63,9 @@ UNARY_METHODS = (
     "Acquire",
     "Release",
     "Prefetch",
+    "EndTurn",
+    "ReportLoad",
+    "ReportTiers",
     "Stat",
 )
 KEYED_METHODS = ("Reserve", "Commit", "Abort", "Lookup", "Acquire", "Release", "Prefetch")
@@ -484,7 +487,38 @@ class Fuzzer:
             return local_pb2.RegisterLayoutRequest(layout=self.layout())
         if method == "Stat":
             return local_pb2.StatRequest()
+        if method == "ReportLoad":
+            big = [0, 1, 7, (1 << 32) - 1]
+            return local_pb2.ReportLoadRequest(
+                client_id=self.client_id(),
+                busy_slots=self.rng.choice(big),
+                slots=self.rng.choice(big),
+                queue_len=self.rng.choice(big),
+                wait_s=self.rng.choice([0.0, 1.5, -1.0, math.nan, math.inf, 1e300]),
+                prefill_tokens_per_s=self.rng.choice([0.0, 5e3, -3.0, math.nan, math.inf]),
+            )
+        if method == "ReportTiers":
+            names = ["hbm", "hbm", "dram", "nvme", "", "\u2603" * 50]
+            tiers = [
+                common_pb2.TierStat(
+                    name=self.rng.choice(names),
+                    num_blocks=self.rng.choice([0, 5, (1 << 64) - 1]),
+                    capacity_bytes=self.rng.choice([0, 1 << 30, (1 << 64) - 1]),
+                )
+                for _ in range(self.rng.choice([0, 1, 1, 2, 40]))
+            ]
+            return local_pb2.ReportTiersRequest(client_id=self.client_id(), tiers=tiers)
         layout_id = self.layout_id()
+        if method == "EndTurn":
+            return local_pb2.EndTurnRequest(
+                client_id=self.client_id(),
+                layout_id=layout_id,
+                session=self.rng.choice(["", "s", "\u2603" * 300, self.rng.randbytes(8).hex()]),
+                keys=self.keys(layout_id),
+                num_tokens=self.rng.choice([0, 1, 9000, (1 << 64) - 1]),
+                wait=self.rng.random() < 0.5,
+                replica_target=self.rng.choice(["", "127.0.0.1:1", "nowhere:x", "a" * 300]),
+            )
         extra: dict[str, Any] = {}
         if method == "Prefetch":
             extra["policy"] = self.rng.choice([0, 1, 2, 2, 3, 99, -5])

@@ -217,6 +217,18 @@ class ReportLoadReply(_message.Message):
     host: _common_pb2.HostLoad
     def __init__(self, host: _Optional[_Union[_common_pb2.HostLoad, _Mapping]] = ...) -> None: ...
 
+class ReportTiersRequest(_message.Message):
+    __slots__ = ("client_id", "tiers")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    client_id: int
+    tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStat]
+    def __init__(self, client_id: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStat, _Mapping]]] = ...) -> None: ...
+
+class ReportTiersReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StatReply(_message.Message):
     __slots__ = ("tiers", "counters", "clients", "version", "uptime_s", "socket_path", "nvme_dir", "load")
     class CountersEntry(_message.Message):

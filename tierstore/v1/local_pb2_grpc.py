@@ -89,6 +89,11 @@ class LocalServiceStub:
                 request_serializer=tierstore_dot_v1_dot_local__pb2.ReportLoadRequest.SerializeToString,
                 response_deserializer=tierstore_dot_v1_dot_local__pb2.ReportLoadReply.FromString,
                 _registered_method=True)
+        self.ReportTiers = channel.unary_unary(
+                '/tierstore.v1.LocalService/ReportTiers',
+                request_serializer=tierstore_dot_v1_dot_local__pb2.ReportTiersRequest.SerializeToString,
+                response_deserializer=tierstore_dot_v1_dot_local__pb2.ReportTiersReply.FromString,
+                _registered_method=True)
         self.Stat = channel.unary_unary(
                 '/tierstore.v1.LocalService/Stat',
                 request_serializer=tierstore_dot_v1_dot_local__pb2.StatRequest.SerializeToString,
@@ -179,6 +184,15 @@ class LocalServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportTiers(self, request, context):
+        """The engine's own tiers (its HBM block pool), reported every few seconds by
+        clients that have one; Stat shows them summed over the engines. A report
+        is dropped when the client detaches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stat(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -242,6 +256,11 @@ def add_LocalServiceServicer_to_server(servicer, server):
                     servicer.ReportLoad,
                     request_deserializer=tierstore_dot_v1_dot_local__pb2.ReportLoadRequest.FromString,
                     response_serializer=tierstore_dot_v1_dot_local__pb2.ReportLoadReply.SerializeToString,
+            ),
+            'ReportTiers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportTiers,
+                    request_deserializer=tierstore_dot_v1_dot_local__pb2.ReportTiersRequest.FromString,
+                    response_serializer=tierstore_dot_v1_dot_local__pb2.ReportTiersReply.SerializeToString,
             ),
             'Stat': grpc.unary_unary_rpc_method_handler(
                     servicer.Stat,
@@ -546,6 +565,33 @@ class LocalService:
             '/tierstore.v1.LocalService/ReportLoad',
             tierstore_dot_v1_dot_local__pb2.ReportLoadRequest.SerializeToString,
             tierstore_dot_v1_dot_local__pb2.ReportLoadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportTiers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierstore.v1.LocalService/ReportTiers',
+            tierstore_dot_v1_dot_local__pb2.ReportTiersRequest.SerializeToString,
+            tierstore_dot_v1_dot_local__pb2.ReportTiersReply.FromString,
             options,
             channel_credentials,
             insecure,
