@@ -3,6 +3,7 @@ policy the store offers (and its NVMe admission filters where they matter)."""
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 
@@ -10,7 +11,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from tierstore.config import StoreConfig
 from tierstore.errors import BlockSizeError, KeyFormatError, LayoutError
@@ -272,80 +278,190 @@ def test_bad_input_keeps_what_is_stored(store: TieredStore, layout: KVLayout) ->
     assert store.get(layout, keys) == data
 
 
-class StoreMachine(RuleBasedStateMachine):
-    """Random put/get/demote/drop/restart against a dict model.
+NUM_KEYS = 24
+MACHINE_DRAM_BLOCKS = 8  # 64 KiB of DRAM: a third of the keys, so puts evict and spill
+DRAM, NVME = TierName.DRAM, TierName.NVME
 
-    DRAM is large enough that nothing is evicted by pressure, so the model
-    knows exactly what must be there; restarts lose what was only in DRAM.
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random put/get/demote/drop/restart sequences against a model of what
+    the store must, may and must not hold.
+
+    DRAM holds 8 of the 24 blocks and the demoter runs, so blocks are evicted
+    and spilled to NVMe at times the model cannot predict; the NVMe budget
+    holds all of them, so NVMe evicts nothing. The model keeps:
+    - ``alive``: may be held (put and not dropped or seen gone since);
+    - ``sure``: must be held. With the ``always`` admission every alive block
+      is (an evicted block is spilled); with ``seen_twice`` an evicted block
+      may be dropped, so only blocks seen on NVMe are;
+    - ``on_nvme``: seen on NVMe (checked after every step): stay there.
+    Whatever is held reads back byte-exact, lookup names the tier that holds
+    it, and after a restart exactly what NVMe held is served, from NVMe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, eviction: str, admission: str) -> None:
         super().__init__()
-        import tempfile
-
         self.tmp = tempfile.TemporaryDirectory()
+        self.admission = admission
+        block_bytes = SMALL_LAYOUT.block_bytes
         self.cfg = StoreConfig(
-            dram_bytes=1 << 20,
-            dram_segment_bytes=64 << 10,
+            dram_bytes=MACHINE_DRAM_BLOCKS * block_bytes,
+            dram_segment_bytes=MACHINE_DRAM_BLOCKS * block_bytes,
             nvme_dir=self.tmp.name,
             nvme_bytes=4 << 20,
             nvme_segment_bytes=64 << 10,
+            eviction_policy=eviction,
+            nvme_admission=admission,
         )
         self.store = TieredStore(self.cfg)
-        self.keys = chain_keys(SMALL_LAYOUT, np.arange(8 * 24))
-        self.data = blocks_for(self.keys, SMALL_LAYOUT.block_bytes)
-        self.in_dram: set[int] = set()
+        self.keys = chain_keys(SMALL_LAYOUT, np.arange(8 * NUM_KEYS))
+        self.data = blocks_for(self.keys, block_bytes)
+        self.alive: set[int] = set()
+        self.sure: set[int] = set()
         self.on_nvme: set[int] = set()
 
-    @rule(i=st.integers(0, 23))
+    def _stored(self, i: int) -> None:
+        self.alive.add(i)
+        if self.admission == "always":
+            self.sure.add(i)
+
+    def _gone(self, i: int) -> None:
+        assert i not in self.sure, f"block {i} must be held but is not"
+        self.alive.discard(i)
+
+    @rule(i=st.integers(0, NUM_KEYS - 1))
     def put(self, i: int) -> None:
-        self.store.put(SMALL_LAYOUT, [self.keys[i]], [self.data[i]])
-        if i not in self.on_nvme:
-            self.in_dram.add(i)
+        # Nothing is pinned between steps, so a put always finds room.
+        assert self.store.put(SMALL_LAYOUT, [self.keys[i]], [self.data[i]]) == [True]
+        self._stored(i)
 
-    @rule(i=st.integers(0, 23))
-    def get(self, i: int) -> None:
-        got = self.store.get(SMALL_LAYOUT, [self.keys[i]])
-        if i in self.in_dram or i in self.on_nvme:
-            assert got == [self.data[i]]
-            self.in_dram.add(i)  # promoted
-        else:
-            assert got == []
+    @rule(lo=st.integers(0, NUM_KEYS - 1), n=st.integers(2, 12))
+    def put_batch(self, lo: int, n: int) -> None:
+        """Several blocks at once; past what DRAM holds the rest get FULL (this
+        put's reservations fill it). A FULL block was not stored by this put;
+        it may still be held (test_put_reports_a_block_spilled_by_its_own_batch)."""
+        idx = list(range(lo, min(lo + n, NUM_KEYS)))
+        held = self.store.put(
+            SMALL_LAYOUT, [self.keys[i] for i in idx], [self.data[i] for i in idx]
+        )
+        for i, ok in zip(idx, held):
+            if ok:
+                self._stored(i)
 
-    @rule(i=st.integers(0, 23))
+    @rule(lo=st.integers(0, NUM_KEYS - 1), n=st.integers(1, MACHINE_DRAM_BLOCKS // 2))
+    def get(self, lo: int, n: int) -> None:
+        """The longest held prefix, byte-exact; at most half of DRAM is pinned
+        at once, so promotions always find room."""
+        idx = list(range(lo, min(lo + n, NUM_KEYS)))
+        got = self.store.get(SMALL_LAYOUT, [self.keys[i] for i in idx])
+        for i, block in zip(idx, got):
+            assert i in self.alive, f"block {i} was never stored or was dropped"
+            assert block == self.data[i], f"wrong bytes for block {i}"
+        if len(got) < len(idx):
+            self._gone(idx[len(got)])
+
+    @rule(i=st.integers(0, NUM_KEYS - 1))
     def demote(self, i: int) -> None:
-        self.store.demote([self.keys[i]])
-        if i in self.in_dram:
-            self.in_dram.discard(i)
+        key = self.keys[i]
+        left_dram = self.store.demote([key]) == 1
+        tiers = self.store.lookup(SMALL_LAYOUT, [key]).tiers
+        if left_dram:
+            assert i in self.alive
+            assert tiers in ((NVME,), ()), tiers  # nothing promotes it meanwhile
+        if tiers == (NVME,):
             self.on_nvme.add(i)
+            self.sure.add(i)  # NVMe evicts nothing here: it stays until dropped
+        elif not tiers:
+            self._gone(i)
+        if self.admission == "always" and i in self.alive:
+            assert tiers == (NVME,), f"block {i} was demoted but not spilled"
 
-    @rule(i=st.integers(0, 23))
+    @rule(i=st.integers(0, NUM_KEYS - 1))
     def drop(self, i: int) -> None:
         self.store.drop([self.keys[i]])
-        self.in_dram.discard(i)
+        self.alive.discard(i)
+        self.sure.discard(i)
         self.on_nvme.discard(i)
 
-    @precondition(lambda self: True)
     @rule()
     def restart(self) -> None:
         self.store.close()
         self.store = TieredStore(self.cfg)
-        self.in_dram.clear()
+        assert self.store.dram.used_bytes() == 0
+        assert self.store.nvme is not None
+        held = {i for i, h in enumerate(self.store.nvme.contains(self.keys)) if h}
+        assert self.on_nvme <= held, f"lost from NVMe: {sorted(self.on_nvme - held)}"
+        assert held <= self.alive, f"back from the dead: {sorted(held - self.alive)}"
+        # Only what NVMe held is served, and from NVMe; the rest was DRAM only.
+        self.alive, self.sure, self.on_nvme = set(held), set(held), set(held)
+        for i in range(NUM_KEYS):
+            expect = (NVME,) if i in held else ()
+            assert self.store.lookup(SMALL_LAYOUT, [self.keys[i]]).tiers == expect
 
     @invariant()
-    def lookup_matches_model(self) -> None:
-        held = [self.store.lookup(SMALL_LAYOUT, [k]).num_hits == 1 for k in self.keys]
-        assert held == [i in self.in_dram or i in self.on_nvme for i in range(24)]
+    def lookup_names_the_tier_that_holds_each_block(self) -> None:
+        assert self.store.nvme is not None
+        for i, key in enumerate(self.keys):
+            # The demoter may move a block DRAM -> NVMe meanwhile (only that):
+            # ask the tiers before and after the lookup.
+            dram_before, nvme_before = (
+                self.store.dram.contains([key])[0],
+                self.store.nvme.contains([key])[0],
+            )
+            tiers = self.store.lookup(SMALL_LAYOUT, [key]).tiers
+            dram_after, nvme_after = (
+                self.store.dram.contains([key])[0],
+                self.store.nvme.contains([key])[0],
+            )
+            if dram_before and dram_after:
+                assert tiers == (DRAM,), (i, tiers)
+            elif not dram_before and not dram_after:
+                assert tiers == ((NVME,) if nvme_before else ()), (i, tiers)
+            assert tiers in ((DRAM,), (NVME,), ()), (i, tiers)
+            if i not in self.alive:
+                assert not (dram_before or nvme_before or tiers), f"block {i} is held"
+            if i in self.sure:
+                assert tiers, f"block {i} must be held"
+            if i in self.on_nvme:
+                assert nvme_after, f"block {i} left NVMe"
+            elif nvme_after:  # spilled meanwhile: from now on it stays there
+                self.on_nvme.add(i)
+                self.sure.add(i)
 
     def teardown(self) -> None:
         self.store.close()
         self.tmp.cleanup()
 
 
-TestStoreMachine = StoreMachine.TestCase
-TestStoreMachine.settings = settings(
-    max_examples=30,
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
+@pytest.mark.parametrize("admission", sorted(ADMISSION_POLICIES))
+@pytest.mark.parametrize("eviction", sorted(EVICTION_POLICIES))
+def test_store_machine(eviction: str, admission: str) -> None:
+    run_state_machine_as_test(
+        lambda: StoreMachine(eviction, admission),
+        settings=settings(
+            max_examples=25,
+            stateful_step_count=50,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="store.py bug: reserve() reads NVMe residency once per batch, so a block "
+    "the batch's own reservations spill to NVMe is then reported FULL (not held)",
 )
+def test_put_reports_a_block_spilled_by_its_own_batch(store_config, layout: KVLayout) -> None:
+    """put() says whether each block is held afterwards. Eight blocks fill
+    DRAM; a batch of eight new ones plus the last old one spills all the
+    old ones (LRU) while reserving, so the old one is on NVMe: held."""
+    keys = chain_keys(layout, np.arange(8 * 16))
+    data = blocks_for(keys, layout.block_bytes)
+    cfg = store_config(dram_bytes=8 * layout.block_bytes, dram_segment_bytes=64 << 10)
+    with TieredStore(cfg) as s:
+        assert all(s.put(layout, keys[:8], data[:8]))
+        batch = keys[8:16] + keys[7:8]
+        held = s.put(layout, batch, data[8:16] + data[7:8])
+        assert s.lookup(layout, keys[7:8]).tiers == (TierName.NVME,)
+        assert held == [True] * 9
