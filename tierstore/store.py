@@ -171,6 +171,13 @@ class TieredStore:
             status, entry = self.dram.reserve(key, fp, nbytes, owner)
             if status == ReserveStatus.FULL and self.make_room(nbytes):
                 status, entry = self.dram.reserve(key, fp, nbytes, owner)
+            if (
+                status == ReserveStatus.FULL
+                and self.nvme is not None
+                and self.nvme.contains([key])[0]
+            ):
+                # Spilled meanwhile, by this batch's own reservations: still held.
+                status = ReserveStatus.EXISTS
             offset = entry.offset if status == ReserveStatus.OK and entry is not None else -1
             out.append(Reservation(key, status, offset))
         return out
