@@ -6,15 +6,27 @@ Prints memcpy_gbps, dram_put_gbps, dram_get_gbps, disk_raw_write_gbps,
 disk_raw_read_gbps, nvme_write_gbps, nvme_read_gbps, hash_mtokens_per_s and
 the ratios the targets are stated in (DRAM >= 50% of memcpy, NVMe >= 80% of
 the raw disk, hashing >= 20 M tokens/s). 2 MiB blocks, batches of 64.
+
+The raw disk figures are a dd-like sequential O_DIRECT write and read of a
+file of the same size (best of two runs, before and after the tier runs).
+NVMe reads are measured with ``nvme_read_depth`` reads in flight, as the
+store promotes (``nvme_read_1reader_gbps``: one at a time), interleaved with
+raw O_DIRECT reads of the tier's own data file by the same requests
+(``disk_raw_read_tier_file_gbps``): on a VM whose host caches the disk the
+dd-like figure swings 3x between runs, and the interleaved one is the
+like-for-like limit. ``nvme_promote_gbps``: ``TieredStore.acquire`` of a
+prefix held on NVMe only, into DRAM (the sidecar's path).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -73,12 +85,15 @@ def bench_dram(total_bytes: int) -> tuple[float, float]:
     return total_bytes / put_s / GB, total_bytes / get_s / GB
 
 
-def bench_nvme(directory: str, total_bytes: int) -> tuple[float, float, float, bool]:
+def bench_nvme(directory: str, total_bytes: int) -> dict[str, float | bool]:
+    """Write through the tier, then read back one block at a time and with
+    ``nvme_read_depth`` reads in flight (how the store promotes)."""
     n = total_bytes // LAYOUT.block_bytes
     keys = chain_keys(LAYOUT, np.arange(n * LAYOUT.block_tokens) + 7)
     buf = aligned_buffer(total_bytes)
     view = memoryview(buf)
     size = LAYOUT.block_bytes
+    depth = StoreConfig().nvme_read_depth
     root = Path(directory) / "nvme-bench"
     tier = NvmeTier(root, 2 * total_bytes, segment_bytes=64 << 20)
     try:
@@ -90,36 +105,74 @@ def bench_nvme(directory: str, total_bytes: int) -> tuple[float, float, float, b
             ]
             assert all(tier.write_many(items))
         write_s = time.perf_counter() - t0
-        out = aligned_buffer(size)
-        out_view = memoryview(out)
+        out = memoryview(aligned_buffer(size))
         t0 = time.perf_counter()
         for k in keys:
-            assert tier.read_into(k, out_view) == size
-        read_s = time.perf_counter() - t0
-        # Two readers, as the sidecar's prefetch workers read: verify of one
-        # block overlaps the disk read of the next.
-        outs = [memoryview(aligned_buffer(size)) for _ in range(2)]
+            assert tier.read_into(k, out) == size
+        read1_s = time.perf_counter() - t0
+        outs = [memoryview(aligned_buffer(size)) for _ in range(depth)]
+        offsets = [tier.meta(k).offset for k in keys]
 
-        def read_half(i: int) -> None:
-            for k in keys[i::2]:
-                assert tier.read_into(k, outs[i]) == size
+        def read_share(i: int) -> None:
+            for k in keys[i::depth]:
+                assert tier.read_into(k, outs[i], in_parallel=True) == size
 
-        with ThreadPoolExecutor(2) as pool:
-            t0 = time.perf_counter()
-            list(pool.map(read_half, range(2)))
-            read2_s = time.perf_counter() - t0
+        def raw_share(i: int) -> None:  # the same requests, without the tier
+            for offset in offsets[i::depth]:
+                assert tier._file.read(offset, size, outs[i]) == size
+
+        # Interleaved, best of 3 each: the VM's disk (and its host's cache)
+        # drifts between seconds, so the limit is measured next to each read.
+        read_s = raw_s = float("inf")
+        with ThreadPoolExecutor(depth) as pool:
+            for _ in range(3):
+                raw_s = min(raw_s, timed(lambda: list(pool.map(raw_share, range(depth)))))
+                read_s = min(read_s, timed(lambda: list(pool.map(read_share, range(depth)))))
         direct = tier.direct_io_active
     finally:
         tier.close()
-        for p in sorted(root.rglob("*"), reverse=True):
-            p.rmdir() if p.is_dir() else p.unlink()
-        root.rmdir()
-    return (
-        total_bytes / write_s / GB,
-        total_bytes / read_s / GB,
-        total_bytes / read2_s / GB,
-        direct,
+        shutil.rmtree(root)
+    return {
+        "nvme_write_gbps": total_bytes / write_s / GB,
+        "nvme_read_gbps": total_bytes / read_s / GB,
+        "disk_raw_read_tier_file_gbps": total_bytes / raw_s / GB,
+        "nvme_read_1reader_gbps": total_bytes / read1_s / GB,
+        "nvme_read_depth": depth,
+        "nvme_direct_io": direct,
+    }
+
+
+def bench_promote(directory: str, total_bytes: int) -> float:
+    """The sidecar's path for a prefix on NVMe: ``TieredStore.acquire`` in
+    batches of 64 (read, verify, into DRAM slots), released again."""
+    n = total_bytes // LAYOUT.block_bytes
+    keys = chain_keys(LAYOUT, np.arange(n * LAYOUT.block_tokens) + 11)
+    src = np.frombuffer(aligned_buffer(total_bytes), dtype=np.uint8)
+    cfg = StoreConfig(
+        dram_bytes=total_bytes + (64 << 20),
+        dram_segment_bytes=64 << 20,
+        nvme_dir=str(Path(directory) / "promote-bench"),
+        nvme_bytes=2 * total_bytes,
+        nvme_segment_bytes=64 << 20,
+        dram_high_watermark=1.0,
+        dram_low_watermark=0.9,
     )
+    with TieredStore(cfg) as store:
+        assert all(store.put(LAYOUT, keys, src))
+        store.demote(keys)
+        t0 = time.perf_counter()
+        for i in range(0, n, BATCH):
+            entries = store.acquire(LAYOUT, keys[i : i + BATCH])
+            assert len(entries) == len(keys[i : i + BATCH])
+            store.release([e.key for e in entries])
+        promote_s = time.perf_counter() - t0
+    return total_bytes / promote_s / GB
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def bench_hash(num_tokens: int = 200_000) -> float:
@@ -148,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         memcpy = memcpy_gbps(total)
         put, get = bench_dram(total)
         raw_w, raw_r = raw_disk_gbps(tmp, total)
-        nvme_w, nvme_r, nvme_r2, direct = bench_nvme(tmp, total)
+        nvme = bench_nvme(tmp, total)
+        promote = bench_promote(tmp, total)
         raw_w2, raw_r2 = raw_disk_gbps(tmp, total)  # again, after: the disk drifts
     raw_w, raw_r = max(raw_w, raw_w2), max(raw_r, raw_r2)
     result = {
@@ -161,13 +215,15 @@ def main(argv: list[str] | None = None) -> None:
         "dram_get_vs_memcpy": ratio(get, memcpy),
         "disk_raw_write_gbps": raw_w,
         "disk_raw_read_gbps": raw_r,
-        "nvme_write_gbps": nvme_w,
-        "nvme_read_gbps": nvme_r,
-        "nvme_read_2threads_gbps": nvme_r2,
-        "nvme_write_vs_raw": ratio(nvme_w, raw_w),
-        "nvme_read_vs_raw": ratio(nvme_r, raw_r),
-        "nvme_read_2threads_vs_raw": ratio(nvme_r2, raw_r),
-        "nvme_direct_io": direct,
+        **nvme,
+        "nvme_promote_gbps": promote,
+        "nvme_write_vs_raw": ratio(nvme["nvme_write_gbps"], raw_w),
+        "nvme_read_vs_raw": ratio(nvme["nvme_read_gbps"], raw_r),
+        "nvme_read_vs_raw_tier_file": ratio(
+            nvme["nvme_read_gbps"], nvme["disk_raw_read_tier_file_gbps"]
+        ),
+        "nvme_read_1reader_vs_raw": ratio(nvme["nvme_read_1reader_gbps"], raw_r),
+        "nvme_promote_vs_raw": ratio(promote, raw_r),
         "streaming_copy": STREAMING,
         "hash_mtokens_per_s": bench_hash(),
     }
