@@ -47,18 +47,18 @@ def plot_ttft(data: dict, out: Path) -> None:
 
 
 def plot_peer(data: dict, out: Path) -> None:
-    names = ["raw TCP", "peer fetch", "peer load", "import (push)", "fetch, zstd"]
-    vals = [
-        data["raw_tcp_gbps"],
-        data["peer_fetch_gbps"],
-        data["peer_load_gbps"],
-        data["import_gbps"],
-        data["zstd_peer_fetch_gbps"],
+    rows = [
+        ("raw TCP", data["raw_tcp_gbps"], "#999"),
+        ("CPU ceiling (2 hashes)", data.get("cpu_ceiling_gbps"), "#bbb"),
+        ("peer fetch", data["peer_fetch_gbps"], "#4c72b0"),
+        ("peer load", data["peer_load_gbps"], "#4c72b0"),
+        ("import (push)", data["import_gbps"], "#55a868"),
+        ("fetch, zstd", data["zstd_peer_fetch_gbps"], "#c44e52"),
     ]
-    fig, ax = plt.subplots(figsize=(6.4, 3.2), dpi=120)
-    bars = ax.barh(
-        names[::-1], vals[::-1], color=["#999", "#4c72b0", "#4c72b0", "#55a868", "#c44e52"][::-1]
-    )
+    rows = [r for r in rows if r[1] is not None]  # runs before the ceiling was reported
+    names, vals, colors = (list(c) for c in zip(*rows))
+    fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=120)
+    bars = ax.barh(names[::-1], vals[::-1], color=colors[::-1])
     for bar, v in zip(bars, vals[::-1]):
         ax.text(v, bar.get_y() + bar.get_height() / 2, f" {v:.2f}", va="center", fontsize=9)
     ax.set_xlabel("GB/s, loopback, same run")
