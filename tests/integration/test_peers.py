@@ -11,6 +11,7 @@ is bounded; every process and arena this file starts is gone when it ends.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -798,6 +800,57 @@ def test_stalled_lookup_is_a_miss_within_the_deadline(
         assert after["peer_lookup_timeouts"] - before["peer_lookup_timeouts"] >= 2
         assert after["peer_lookup_errors"] == before["peer_lookup_errors"]
         assert_b_still_serves(b)
+
+
+class MuteListener:
+    """A TCP port that accepts connections and never sends a byte (a peer
+    process wedged after accept, or the wrong service on that port)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=16)
+        self.sock.settimeout(0.2)
+        self.address = addr(self.sock.getsockname()[1])
+        self.held: list[socket.socket] = []
+        self.closing = threading.Event()
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while not self.closing.is_set() and len(self.held) < 64:
+            with contextlib.suppress(TimeoutError, OSError):
+                self.held.append(self.sock.accept()[0])
+
+    def close(self) -> None:
+        self.closing.set()
+        self.thread.join(timeout=5)
+        for conn in [*self.held, self.sock]:
+            conn.close()
+
+
+def test_peer_that_accepts_and_never_answers(tmp_path: Path) -> None:
+    mute = MuteListener()
+    b = start(tmp_path / "b", free_port(), [], "--set", f"peers={mute.address}")
+    try:
+        keys = keys_of(tokens(6, next(_BASE)))
+        with StoreClient(str(b.socket)) as client:
+            before = counters(client)
+            t0 = time.monotonic()
+            assert client.lookup(L, keys, include_peers=True).num_hits == 0
+            lookup_s = time.monotonic() - t0
+            deadline_s = 1.0
+            t0 = time.monotonic()
+            assert client.load(L, keys, include_peers=True, deadline_s=deadline_s).num_blocks == 0
+            load_s = time.monotonic() - t0
+            after = counters(client)
+            assert_b_still_serves(client)
+        assert mute.held, "the sidecar never connected to the listener"
+        assert lookup_s < 0.5 + 0.5, lookup_s  # peer_lookup_timeout_s 0.5
+        assert load_s < deadline_s + 0.5, load_s
+        lost = sum(after[k] - before[k] for k in ("peer_lookup_timeouts", "peer_lookup_errors"))
+        assert lost >= 2, (before, after)
+    finally:
+        stop_later(b)
+        mute.close()
 
 
 def test_load_deadline_bounds_the_whole_load(fake_group: FakeGroup, fake: FakePeer) -> None:
