@@ -113,6 +113,8 @@ class TieredStore:
         # Blocks imported for other hosts (kv_share): evicted before the
         # host's own blocks and bounded by a budget.
         self.replicas = ReplicaLedger()
+        if self.nvme is not None:
+            self.nvme.evict_first = self.replicas.oldest  # and on NVMe too
         self._high_bytes = int(config.dram_high_watermark * self.dram.allocator.capacity_bytes)
         self._low_bytes = int(config.dram_low_watermark * self.dram.allocator.capacity_bytes)
         self._wake = threading.Condition()

@@ -43,7 +43,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +140,9 @@ class NvmeTier:
         self._stats = TierStats()
         self._closed = False
         self.events: BlockEventLog | None = None  # set by the store: tier changes for routers
+        # Set by the store: keys to evict before the policy's order (other
+        # hosts' replicas leave before this host's own blocks, as in DRAM).
+        self.evict_first: Callable[[], list[BlockKey]] | None = None
         self.read_rate = RateMeter()  # verified reads, for routers' cost models
         with ExitStack() as stack:
             prepare_root(self.root)
@@ -272,6 +275,7 @@ class NvmeTier:
         first_of: dict[int, int] = {}  # duplicate item -> its first occurrence
         seen: dict[BlockKey, int] = {}
         now = time.time()
+        first = _FirstVictims(self.evict_first)
         with self._lock:
             for i, (key, layout_fp, data, digest) in enumerate(prepared):
                 if key in seen:
@@ -283,7 +287,7 @@ class NvmeTier:
                     self._touch(held, now)
                     results[i] = True
                     continue
-                offset = self._alloc_evicting(data.nbytes, victims)
+                offset = self._alloc_evicting(data.nbytes, victims, first)
                 if offset is None:
                     self._stats.write_failures += 1
                     continue
@@ -292,8 +296,11 @@ class NvmeTier:
             self._log(False, [v.key for v in victims])
         return planned, victims, first_of
 
-    def _alloc_evicting(self, nbytes: int, victims: list[NvmeEntry]) -> int | None:
-        """A slot for ``nbytes``, evicting unpinned blocks in policy order. Holds _lock."""
+    def _alloc_evicting(
+        self, nbytes: int, victims: list[NvmeEntry], first: _FirstVictims
+    ) -> int | None:
+        """A slot for ``nbytes``, evicting unpinned blocks: ``evict_first``'s
+        keys, then in policy order. Holds _lock."""
         slot = self._alloc.slot_bytes(nbytes)
         if slot > self._alloc.capacity_bytes:
             return None
@@ -302,7 +309,11 @@ class NvmeTier:
         if full_at is None or self._alloc.used_bytes + slot <= full_at:
             offset = self._alloc.alloc(nbytes)
         while offset is None:
-            victim = self._policy.evict(self._can_evict)
+            victim = first.next(self._entries, self._can_evict)
+            if victim is not None:
+                self._policy.remove(victim)
+            else:
+                victim = self._policy.evict(self._can_evict)
             if victim is None:
                 return None
             entry = self._entries.pop(victim)
@@ -619,6 +630,28 @@ class NvmeTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _FirstVictims:
+    """The keys a write batch evicts before the policy's order (the store's
+    replicas of other hosts, oldest first), asked for once per batch and
+    only if the batch has to evict."""
+
+    def __init__(self, source: Callable[[], list[BlockKey]] | None) -> None:
+        self._source = source
+        self._keys: Iterator[BlockKey] | None = None
+
+    def next(
+        self, entries: dict[BlockKey, NvmeEntry], can_evict: Callable[[BlockKey], bool]
+    ) -> BlockKey | None:
+        if self._source is None:
+            return None
+        if self._keys is None:
+            self._keys = iter(self._source())
+        for key in self._keys:
+            if key in entries and can_evict(key):
+                return key
+        return None
 
 
 def _prepare_item(

@@ -324,6 +324,34 @@ def test_eviction_is_lru_and_spares_touched(open_tier) -> None:
     assert open_tier().contains(keys) == held
 
 
+def test_evict_first_keys_leave_before_the_policy_order(open_tier) -> None:
+    """The store's replicas of other hosts (oldest first) leave NVMe before
+    the host's own blocks; a key not held or being read is skipped."""
+    tier = open_tier(capacity=8 * BLOCK)
+    keys = [key_of(i) for i in range(12)]
+    own, replicas, new = keys[:4], keys[4:8], keys[8:12]
+    assert all(tier.write_many([(k, FP, block_of(i, BLOCK)) for i, k in enumerate(keys[:8])]))
+    asked: list[int] = []
+
+    def oldest_replicas() -> list[BlockKey]:
+        asked.append(1)
+        return [key_of(999), *replicas]  # one the tier does not hold
+
+    tier.evict_first = oldest_replicas
+    tier._pins[tier.meta(replicas[0]).offset] = 1  # being read: stays
+    try:
+        assert all(tier.write_many([(k, FP, block_of(8 + i, BLOCK)) for i, k in enumerate(new)]))
+    finally:
+        tier._pins.clear()
+    held = dict(zip(keys, tier.contains(keys)))
+    assert [held[k] for k in replicas] == [True, False, False, False]
+    # Three replicas made room for three blocks; the fourth took the LRU own block.
+    assert [held[k] for k in own] == [False, True, True, True]
+    assert all(held[k] for k in new)
+    assert len(asked) == 1  # once per write batch, not per victim
+    assert tier.stats().evictions == 4
+
+
 def test_too_large_block_and_full_tier(open_tier) -> None:
     tier = open_tier(capacity=256 << 10)
     big = b"b" * ((256 << 10) + 1)
