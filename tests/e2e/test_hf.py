@@ -353,6 +353,46 @@ def test_end_turn_replicates_to_the_peer(llama: Any, peers: tuple[SidecarProcess
         check_warm(on_b, ids, TierName.DRAM)
 
 
+def test_resume_falls_back_to_prefill_when_the_peer_fails(llama: Any, tmp_path: Any) -> None:
+    """The peer that holds the prefix stalls (SIGSTOP), then dies (SIGKILL):
+    each resume on the other host is a cold prefill within the lookup
+    deadline, with exactly the cold logits, and the host keeps serving."""
+    pa, pb = free_port(), free_port()
+    hosts = []
+    for name, port, other in (("a", pa, pb), ("b", pb, pa)):
+        (tmp_path / name).mkdir()
+        extra = ("--set", f"peer_port={port}", "--set", f"peers=127.0.0.1:{other}")
+        hosts.append(SidecarProcess(tmp_path / name, *extra, *PEER_COMMON, *FAST_STOP))
+    a, b = hosts
+    try:
+        with StoreClient(str(a.socket)) as ca, StoreClient(str(b.socket)) as cb:
+            on_a, on_b = HFStoreAdapter(llama, ca), HFStoreAdapter(llama, cb)
+            ids = prompt(16 * 6 + 5, seed=470)
+            save_cold(on_a, ids)
+            assert on_b.resume(ids, include_peers=True).tiers[0] == TierName.PEER
+            ids = prompt(16 * 6 + 5, seed=471)  # a prefix b has not fetched yet
+            save_cold(on_a, ids)
+            ref = cold_logits(llama, ids)
+            for sig in (signal.SIGSTOP, signal.SIGKILL):
+                a.proc.send_signal(sig)
+                res = on_b.resume(ids, include_peers=True)
+                assert res.num_reused_tokens == 0, sig
+                assert torch.equal(res.logits, ref), sig
+                # The peer lookup gave up at its deadline (peer_lookup_timeout_s 0.5).
+                assert res.store_s < 0.5 + 1.0, (sig, res.store_s)
+            assert (
+                on_b.generate(ids, NEW_TOKENS).tokens
+                == on_b.generate(ids, NEW_TOKENS, resume=False).tokens
+            )
+    finally:
+        a.proc.send_signal(signal.SIGCONT)
+        a.stop()
+        for name in os.listdir("/dev/shm"):  # a SIGKILLed sidecar cannot remove its arena
+            if name.startswith(f"tierstore-{a.proc.pid}-"):
+                os.unlink(os.path.join("/dev/shm", name))
+        _stop(b)
+
+
 # -- save -----------------------------------------------------------------------------
 
 
