@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from concurrent.futures import Future
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -452,3 +455,64 @@ def test_sigterm_during_heavy_writes_keeps_what_it_acknowledged(tmp_path) -> Non
             assert nvme.num_blocks > 0 and nvme.verify_failures == 0 and nvme.read_failures == 0
     finally:
         proc.stop()
+
+
+def _serve_until_ready(args: list[str], env: dict[str, str], socket_path: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not socket_path.exists():
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+        assert time.monotonic() < deadline, "sidecar not ready in 30 s"
+        time.sleep(0.05)
+    return proc
+
+
+def test_serve_config_precedence_toml_env_flags(tmp_path) -> None:
+    """`tierstore serve`: the TOML file, then TIERSTORE_* variables, then
+    flags, each overriding the one before, seen in the running sidecar."""
+    sock = tmp_path / "c.sock"
+    toml = tmp_path / "tierstore.toml"
+    toml.write_text(
+        f'dram_bytes = "2MiB"\ndram_segment_bytes = "64KiB"\nnvme_bytes = 0\n'
+        f'[server]\nsocket_path = "{sock}"\nmetrics_port = 0\n'
+    )
+    base = [sys.executable, "-m", "tierstore.cli", "serve", "--config", str(toml)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
+    env["PYTHONPATH"] = str(REPO)
+    cases = [
+        ([], {}, 2 << 20),
+        ([], {"TIERSTORE_DRAM_BYTES": "3MiB"}, 3 << 20),
+        (["--dram-bytes", "4MiB"], {"TIERSTORE_DRAM_BYTES": "3MiB"}, 4 << 20),
+    ]
+    for flags, extra_env, want in cases:
+        proc = _serve_until_ready(base + flags, {**env, **extra_env}, sock)
+        try:
+            with StoreClient(str(sock)) as client:
+                dram = next(t for t in client.stat().tiers if t.name == "dram")
+            assert dram.capacity_bytes == want, (flags, extra_env, dram.capacity_bytes)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+
+
+def test_stat_watch_refreshes_until_interrupted(sidecar: SidecarProcess) -> None:
+    cli = [sys.executable, "-m", "tierstore.cli", "stat", "--socket", str(sidecar.socket),
+           "--json", "--watch", "0.2"]  # fmt: skip
+    watch = subprocess.Popen(cli, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    with StoreClient(str(sidecar.socket)) as client:
+        time.sleep(1.0)
+        client.store(SMALL_LAYOUT, keys_for(3, start=90000), blocks(3, seed=9))
+        time.sleep(1.0)
+    watch.send_signal(signal.SIGINT)
+    out, _ = watch.communicate(timeout=30)
+    decoder, snapshots, at = json.JSONDecoder(), [], 0
+    while at < len(out.rstrip()):
+        obj, at = decoder.raw_decode(out, at)
+        snapshots.append(obj)
+        while at < len(out) and out[at].isspace():
+            at += 1
+    assert len(snapshots) >= 4, len(snapshots)
+    drams = [next(t for t in snap["tiers"] if t["name"] == "dram") for snap in snapshots]
+    blocks_seen = [int(t["num_blocks"]) for t in drams]
+    assert blocks_seen[0] == 0 and blocks_seen[-1] == 3  # it shows the store as it happens
