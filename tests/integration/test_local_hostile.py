@@ -32,10 +32,12 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierstore.client import StoreClient
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, chain_keys
+from tierstore.server import MAX_MESSAGE_BYTES
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -211,6 +213,25 @@ def client_names(sidecar: Sidecar) -> list[str]:
 
 
 # -- malformed fields ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", UNARY_METHODS)
+def test_messages_past_the_size_limit_are_refused(
+    channel: grpc.Channel, client: StoreClient, method: str
+) -> None:
+    """Refused by gRPC before any handler (RESOURCE_EXHAUSTED); one just
+    under the limit that does not parse is refused too; nothing is lost."""
+    keys = chain_keys(LAYOUT, np.arange(16) + 77_000 + 100 * UNARY_METHODS.index(method))
+    data = torch.randint(0, 256, (2, LAYOUT.block_bytes), dtype=torch.uint8)
+    assert all(client.store(LAYOUT, keys, data))
+    call = channel.unary_unary(SERVICE + method)
+    with pytest.raises(grpc.RpcError) as err:
+        call(b"\x0a" * (MAX_MESSAGE_BYTES + 1), timeout=CALL_TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as err:
+        call(random.Random(7).randbytes(MAX_MESSAGE_BYTES - 64), timeout=CALL_TIMEOUT_S)
+    assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    assert torch.equal(client.load(LAYOUT, keys).blocks, data)
 
 
 @pytest.mark.parametrize("nbytes", [1, 31, 33, 32 * 5 + 7])

@@ -18,6 +18,7 @@ import torch
 
 from tierstore.client import StoreClient
 from tierstore.keys import KVLayout, chain_keys
+from tierstore.peer.service import MAX_MESSAGE_BYTES
 from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
 from ..integration.sidecar import SidecarProcess
@@ -113,6 +114,18 @@ def test_peer_service_and_data_channel_survive_fuzzing(tmp_path: Path) -> None:
                         grpc.StatusCode.UNKNOWN,
                         grpc.StatusCode.INTERNAL,
                     ), f"{method} raised inside the sidecar: {e.details()}"
+            # Messages at and past the size limit: refused before any handler.
+            for method in METHODS:
+                for size, want in ((MAX_MESSAGE_BYTES + 1, "RESOURCE_EXHAUSTED"),
+                                   (MAX_MESSAGE_BYTES - 64, None)):  # fmt: skip
+                    try:
+                        raw[method](rng.randbytes(size), timeout=10, metadata=meta)
+                        got = "OK"
+                    except grpc.RpcError as e:
+                        got = e.code().name
+                        assert got != "UNKNOWN", f"{method}: {e.details()}"
+                    assert want is None or got == want, (method, size, got)
+                    codes[f"{size}:{got}"] = codes.get(f"{size}:{got}", 0) + 1
         assert proc.proc.poll() is None, proc.output()[-3000:]
         # Garbage on the data channel: wrong tickets, short reads, random bytes.
         for data_port in sorted(data_ports)[:1]:
