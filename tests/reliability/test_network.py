@@ -244,7 +244,8 @@ def test_very_slow_link(pair: Pair) -> None:
     print(
         f"\nslow link (tbf 8mbit): pull of {PULL_BLOCKS} blocks with deadline {deadline_s} s "
         f"returned {got} verified blocks in {elapsed:.2f} s; lookup across it {lookup_s:.2f} s; "
-        f"A fetch_errors {errors.get('peer_fetch_errors')}; after the link recovered: "
+        f"A fetch timeouts {errors.get('peer_fetch_timeouts')}, errors "
+        f"{errors.get('peer_fetch_errors')}; after the link recovered: "
         f"{full} blocks in {full_s:.2f} s"
     )
 
