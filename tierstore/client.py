@@ -435,6 +435,9 @@ class StoreClient:
         n = layout.block_bytes
         if out is None:
             out = self._copier.empty_rows(len(keys), n)
+        elif not out.is_contiguous():
+            # reshape would copy, and the blocks would land in the copy.
+            raise BlockSizeError("out must be a contiguous tensor")
         elif out.numel() * out.element_size() < len(keys) * n:
             raise BlockSizeError(
                 f"out holds {out.numel() * out.element_size()} bytes; "

@@ -516,3 +516,21 @@ def test_stat_watch_refreshes_until_interrupted(sidecar: SidecarProcess) -> None
     drams = [next(t for t in snap["tiers"] if t["name"] == "dram") for snap in snapshots]
     blocks_seen = [int(t["num_blocks"]) for t in drams]
     assert blocks_seen[0] == 0 and blocks_seen[-1] == 3  # it shows the store as it happens
+
+
+def test_load_into_a_given_tensor(sidecar: SidecarProcess) -> None:
+    """``out`` receives the blocks in place; one too small or not contiguous
+    (reshape would copy it, and the blocks would be lost) is refused."""
+    from tierstore.errors import BlockSizeError
+
+    keys, data = keys_for(4, start=95000), blocks(4, seed=12)
+    with StoreClient(str(sidecar.socket)) as client:
+        assert all(client.store(SMALL_LAYOUT, keys, data))
+        out = torch.zeros(4, SMALL_LAYOUT.block_bytes, dtype=torch.uint8)
+        res = client.load(SMALL_LAYOUT, keys, out)
+        assert res.blocks is out and torch.equal(out, data)
+        wide = torch.zeros(SMALL_LAYOUT.block_bytes, 8, dtype=torch.uint8)
+        with pytest.raises(BlockSizeError, match="contiguous"):
+            client.load(SMALL_LAYOUT, keys, wide.t())  # a transposed view
+        with pytest.raises(BlockSizeError, match="blocks need"):
+            client.load(SMALL_LAYOUT, keys, out[:3])
