@@ -1,12 +1,14 @@
 """The NVMe tier: KV blocks in one data file on local disk, indexed by LMDB.
 
 Runs in the sidecar process. Provides ``NvmeTier`` with ``contains``, ``meta``,
-``write_many``, ``read_into``, ``remove``, ``stats`` and ``close``.
+``write_many``, ``read_into``, ``remove``, ``stats`` and ``close``; it owns the
+in-memory index, pins and eviction, and orders the durable steps. Pieces with
+no state of their own live in ``nvme_batch`` (item checks, digests, victim
+order, hashed batch writes) and ``nvme_index`` (the directory and its index).
 
 Under ``root``: ``LOCK`` (flock'ed while open, holds the owner's pid),
-``blocks.dat`` (the data file, sparse, sized to the capacity; blocks live in
-4 KiB-aligned slots of a SlabAllocator) and ``index.lmdb/`` (key -> offset,
-nbytes, digest, layout fingerprint, last access; see ``nvme_index``).
+``blocks.dat`` (sparse, sized to the capacity; blocks live in 4 KiB-aligned
+slots of a SlabAllocator) and ``index.lmdb/`` (key -> record).
 
 Crash safety: a batch's blocks are written with pwrite(v) and made durable
 with one fdatasync, and only then one LMDB write transaction indexes them, so
@@ -38,29 +40,33 @@ belong to the process that opened them; a child gets StorageError.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import blake3
 import lmdb
 
-from tierstore.errors import BlockSizeError, LayoutError, StorageError
+from tierstore.errors import BlockSizeError, StorageError
 from tierstore.keys import BlockKey, check_key
 from tierstore.loadboard import RateMeter
 from tierstore.policies import EvictionPolicy, LruPolicy
 from tierstore.ratelog import RateLimitedLog
 from tierstore.tiers.base import TierName, TierStats
-from tierstore.tiers.blockfile import ALIGN_BYTES, IO_ERRNOS, BlockFile
-from tierstore.tiers.nvme_index import NvmeEntry, NvmeIndex, lock_root, prepare_root
-from tierstore.tiers.slab import SlabAllocator
+from tierstore.tiers.blockfile import IO_ERRNOS
+from tierstore.tiers.nvme_batch import (
+    Planned,
+    VictimOrder,
+    WriteBatch,
+    block_digest,
+    block_hasher,
+    write_and_hash,
+)
+from tierstore.tiers.nvme_index import NvmeEntry, open_root
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
@@ -70,38 +76,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 _faults = RateLimitedLog(logger)
 
-DIGEST_BYTES = 32
-FINGERPRINT_BYTES = 32
-PARALLEL_HASH_MIN_BYTES = 1 << 20
-"""Blocks at least this large are hashed with blake3's multithreaded mode."""
 READ_CHUNK_BYTES = 512 << 10
 """Blocks larger than this are read in chunks of it, each hashed while the next
 is read (measured ~10% faster than read-then-hash for 2 MiB blocks)."""
-OVERLAP_HASH_MIN_BYTES = 4 << 20
-"""Write batches with at least this many bytes to hash are hashed in a helper
-thread while the data is written (below it, a thread costs more than it saves)."""
-
-
-def block_digest(data: Buffer) -> bytes:
-    """blake3 of ``data``; multithreaded for large blocks."""
-    hasher = _hasher(memoryview(data).nbytes)
-    hasher.update(data)
-    return hasher.digest()
-
-
-def _hasher(nbytes: int) -> blake3.blake3:
-    if nbytes >= PARALLEL_HASH_MIN_BYTES:
-        return blake3.blake3(max_threads=blake3.blake3.AUTO)
-    return blake3.blake3()
-
-
-@dataclass(slots=True)
-class _Planned:
-    """One block of a write batch that got a slot."""
-
-    index: int
-    entry: NvmeEntry
-    data: memoryview
 
 
 class NvmeTier:
@@ -144,68 +121,22 @@ class NvmeTier:
         # hosts' replicas leave before this host's own blocks, as in DRAM).
         self.evict_first: Callable[[], list[BlockKey]] | None = None
         self.read_rate = RateMeter()  # verified reads, for routers' cost models
-        with ExitStack() as stack:
-            prepare_root(self.root)
-            self._lock_fd = lock_root(self.root)
-            stack.callback(os.close, self._lock_fd)
-            self._index = NvmeIndex(self.root / "index.lmdb", capacity_bytes, sync=sync)
-            stack.callback(self._index.close)
-            try:
-                self.segment_bytes = self._index.segment_bytes(segment_bytes)
-                self._alloc = SlabAllocator(capacity_bytes, self.segment_bytes, ALIGN_BYTES)
-                self._file = self._open_file(direct_io)
-                stack.callback(self._file.close)
-                self._load_index()
-            except lmdb.Error as e:
-                raise StorageError(f"cannot use the NVMe index in {self.root}: {e}") from e
-            stack.pop_all()
-
-    # -- opening ---------------------------------------------------------------
-
-    def _open_file(self, direct_io: bool) -> BlockFile:
-        path = self.root / "blocks.dat"
-        try:
-            return BlockFile(path, self._alloc.capacity_bytes, direct_io=direct_io)
-        except OSError as e:
-            raise StorageError(f"cannot open NVMe data file {path}: {e.strerror or e}") from e
-
-    def _load_index(self) -> None:
-        """Rebuild entries, allocator and policy order from LMDB; drop rows that
-        cannot be placed (geometry change, beyond a shrunk capacity, or a data
-        file that vanished)."""
-        loaded, bad = self._index.load()
-        if not self._file.existed:
-            bad.extend(e.key for e in loaded)
-            loaded = []
-        # Highest offsets first: the allocator hands out (and looks up) free
-        # slots from the top of a run, so each claim finds its slot at once.
-        loaded.sort(key=lambda e: e.offset, reverse=True)
-        kept: list[NvmeEntry] = []
-        for entry in loaded:
-            if self._alloc.claim(entry.offset, entry.nbytes):
-                kept.append(entry)
-            else:
-                bad.append(entry.key)
-        if bad:
-            self._index.commit(delete=bad)
-            logger.warning(
-                "NVMe tier %s dropped %d index rows that do not fit its data file",
-                self.root,
-                len(bad),
-            )
-        if self._file.size_bytes() > self._alloc.capacity_bytes:
-            self._file.truncate(self._alloc.capacity_bytes)
-        kept.sort(key=lambda e: e.last_access_s)
-        for entry in kept:
+        opened = open_root(self.root, capacity_bytes, segment_bytes, direct_io=direct_io, sync=sync)
+        self._lock_fd = opened.lock_fd
+        self._index = opened.index
+        self._alloc = opened.alloc
+        self._file = opened.file
+        self.segment_bytes = self._alloc.segment_bytes
+        for entry in opened.entries:  # least recently used first
             self._entries[entry.key] = entry
             self._policy.insert(entry.key)
+
+    # -- lookups ---------------------------------------------------------------
 
     @property
     def direct_io_active(self) -> bool:
         """Whether the data file is read and written with O_DIRECT."""
         return self._file.direct
-
-    # -- lookups ---------------------------------------------------------------
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Whether each key is held (committed and readable). In memory only."""
@@ -248,56 +179,35 @@ class NvmeTier:
         digest raises before anything is changed. The caller must not modify
         the buffers until this returns. Serialised with other writers.
         """
-        if digests is not None and len(digests) != len(items):
-            raise ValueError(f"got {len(digests)} digests for {len(items)} items")
-        prepared = [
-            _prepare_item(item, digests[i] if digests is not None else None)
-            for i, item in enumerate(items)
-        ]
-        results = [False] * len(items)
+        batch = WriteBatch.prepare(items, digests)
         with self._write_lock:
             self._check_usable()
-            planned, victims, first_of = self._plan(prepared, results)
-            if planned:
-                self._store(planned, victims, results)
-        for i, first in first_of.items():
-            results[i] = results[first]
-        return results
+            self._plan(batch)
+            if batch.planned:
+                self._store(batch)
+        return batch.outcome()
 
-    def _plan(
-        self,
-        prepared: list[tuple[BlockKey, bytes, memoryview, bytes | None]],
-        results: list[bool],
-    ) -> tuple[list[_Planned], list[NvmeEntry], dict[int, int]]:
+    def _plan(self, batch: WriteBatch) -> None:
         """Give each new block a slot, evicting as needed (in memory only)."""
-        planned: list[_Planned] = []
-        victims: list[NvmeEntry] = []
-        first_of: dict[int, int] = {}  # duplicate item -> its first occurrence
-        seen: dict[BlockKey, int] = {}
         now = time.time()
-        first = _FirstVictims(self.evict_first)
+        order = VictimOrder(self.evict_first, self._policy)
         with self._lock:
-            for i, (key, layout_fp, data, digest) in enumerate(prepared):
-                if key in seen:
-                    first_of[i] = seen[key]
-                    continue
-                seen[key] = i
+            for i, (key, layout_fp, data, digest) in batch.unique():
                 held = self._entries.get(key)
                 if held is not None:
                     self._touch(held, now)
-                    results[i] = True
+                    batch.results[i] = True
                     continue
-                offset = self._alloc_evicting(data.nbytes, victims, first)
+                offset = self._alloc_evicting(data.nbytes, batch.victims, order)
                 if offset is None:
                     self._stats.write_failures += 1
                     continue
                 entry = NvmeEntry(key, layout_fp, offset, data.nbytes, digest or b"", now)
-                planned.append(_Planned(i, entry, data))
-            self._log(False, [v.key for v in victims])
-        return planned, victims, first_of
+                batch.planned.append(Planned(i, entry, data))
+            self._log(False, [v.key for v in batch.victims])
 
     def _alloc_evicting(
-        self, nbytes: int, victims: list[NvmeEntry], first: _FirstVictims
+        self, nbytes: int, victims: list[NvmeEntry], order: VictimOrder
     ) -> int | None:
         """A slot for ``nbytes``, evicting unpinned blocks: ``evict_first``'s
         keys, then in policy order. Holds _lock."""
@@ -309,11 +219,7 @@ class NvmeTier:
         if full_at is None or self._alloc.used_bytes + slot <= full_at:
             offset = self._alloc.alloc(nbytes)
         while offset is None:
-            victim = first.next(self._entries, self._can_evict)
-            if victim is not None:
-                self._policy.remove(victim)
-            else:
-                victim = self._policy.evict(self._can_evict)
+            victim = order.next(self._entries, self._can_evict)
             if victim is None:
                 return None
             entry = self._entries.pop(victim)
@@ -327,44 +233,33 @@ class NvmeTier:
     def _can_evict(self, key: BlockKey) -> bool:
         return self._entries[key].offset not in self._pins
 
-    def _store(
-        self, planned: list[_Planned], victims: list[NvmeEntry], results: list[bool]
-    ) -> None:
+    def _store(self, batch: WriteBatch) -> None:
         """Delete victims' rows, write and sync the data, then index it. Holds _write_lock."""
-        if victims:
+        if batch.victims:
             try:
-                self._commit(delete=[v.key for v in victims])
+                self._commit(delete=[v.key for v in batch.victims])
             except lmdb.Error:
-                self._undo_plan(planned, victims)
+                self._undo_plan(batch)
                 return
             with self._lock:
-                self._stats.evictions += len(victims)
-        written: list[_Planned] = []
+                self._stats.evictions += len(batch.victims)
+        written: list[Planned] = []
         try:
-            written = self._write_durably(planned)
+            written = self._write_durably(batch.planned)
         finally:  # also on a bug's exception: no slot may leak
-            self._publish(planned, written, results)
+            self._publish(batch, written)
 
-    def _write_durably(self, planned: list[_Planned]) -> list[_Planned]:
+    def _write_durably(self, planned: list[Planned]) -> list[Planned]:
         """Write, fdatasync, then index; returns the blocks that are now indexed."""
-        errors = self._write_and_hash(planned)
-        written = [p for p, err in zip(planned, errors, strict=True) if err is None]
-        failed = [err for err in errors if err is not None]
-        if failed:
-            _faults.warning(
-                "write", "NVMe write of %d blocks to %s failed: %s",
-                len(failed), self.root / "blocks.dat", failed[0],
-            )  # fmt: skip
-            if any(err.errno == errno.ENOSPC for err in failed):
-                # The filesystem is full below our budget: cap the tier at what
-                # it holds, so new blocks evict old ones (whose slots are
-                # already on disk) instead of failing from now on.
-                ok = {id(p) for p in written}
-                lost = sum(
-                    self._alloc.slot_bytes(p.data.nbytes) for p in planned if id(p) not in ok
-                )
-                with self._lock:
-                    self._full_at_bytes = self._alloc.used_bytes - lost
+        written, out_of_space = write_and_hash(self._file, planned)
+        if out_of_space:
+            # The filesystem is full below our budget: cap the tier at what it
+            # holds, so new blocks evict old ones (whose slots are already on
+            # disk) instead of failing from now on.
+            ok = {id(p) for p in written}
+            lost = sum(self._alloc.slot_bytes(p.data.nbytes) for p in planned if id(p) not in ok)
+            with self._lock:
+                self._full_at_bytes = self._alloc.used_bytes - lost
         if written and self.sync:
             try:
                 self._file.sync()
@@ -379,54 +274,28 @@ class NvmeTier:
                 return []
         return written
 
-    def _publish(
-        self, planned: list[_Planned], written: list[_Planned], results: list[bool]
-    ) -> None:
+    def _publish(self, batch: WriteBatch, written: list[Planned]) -> None:
         """Make indexed blocks visible to readers; give the other slots back."""
         ok = {id(p) for p in written}
         with self._lock:
-            for p in planned:
+            for p in batch.planned:
                 if id(p) in ok:
                     self._entries[p.entry.key] = p.entry
                     self._policy.insert(p.entry.key)
                     self._stats.bytes_in += p.entry.nbytes
-                    results[p.index] = True
+                    batch.results[p.index] = True
                 else:
                     self._alloc.free(p.entry.offset)
                     self._stats.write_failures += 1
             self._log(True, [p.entry.key for p in written])
 
-    def _write_and_hash(self, planned: list[_Planned]) -> list[OSError | None]:
-        """Write the batch's data; hash the blocks that came without a digest
-        meanwhile (the digest is needed only for the index commit)."""
-        unhashed = [p for p in planned if not p.entry.digest]
-
-        def hash_all() -> None:
-            for p in unhashed:
-                p.entry.digest = block_digest(p.data)
-
-        if sum(p.data.nbytes for p in unhashed) < OVERLAP_HASH_MIN_BYTES:
-            hash_all()
-            return self._file.write_batch([(p.entry.offset, p.data) for p in planned])
-        # blake3 and pwritev both release the GIL, so the hash overlaps the
-        # disk write (measured on 32 MiB batches of 2 MiB blocks: ~75% of raw
-        # O_DIRECT write speed with the hash first, ~90% overlapped).
-        hasher = threading.Thread(target=hash_all, name="nvme-hash", daemon=True)
-        hasher.start()
-        try:
-            return self._file.write_batch([(p.entry.offset, p.data) for p in planned])
-        finally:
-            hasher.join()
-            if any(not p.entry.digest for p in unhashed):
-                raise RuntimeError("hashing a write batch failed (see the thread's traceback)")
-
-    def _undo_plan(self, planned: list[_Planned], victims: list[NvmeEntry]) -> None:
+    def _undo_plan(self, batch: WriteBatch) -> None:
         """The victims' rows could not be deleted: give their slots back to them."""
         with self._lock:
-            for p in planned:
+            for p in batch.planned:
                 self._alloc.free(p.entry.offset)
-            self._stats.write_failures += len(planned)
-            for v in victims:
+            self._stats.write_failures += len(batch.planned)
+            for v in batch.victims:
                 # A slot that cannot be reclaimed stays unindexed in memory; its
                 # row is verified like any other at the next open.
                 if self._alloc.claim(v.offset, v.nbytes):
@@ -516,7 +385,7 @@ class NvmeTier:
         nbytes = entry.nbytes
         started = time.perf_counter()
         try:
-            hasher = blake3.blake3() if in_parallel else _hasher(nbytes)
+            hasher = blake3.blake3() if in_parallel else block_hasher(nbytes)
             chunk_bytes = nbytes if in_parallel else READ_CHUNK_BYTES
             try:
                 got = self._file.read_streamed(
@@ -630,44 +499,6 @@ class NvmeTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _FirstVictims:
-    """The keys a write batch evicts before the policy's order (the store's
-    replicas of other hosts, oldest first), asked for once per batch and
-    only if the batch has to evict."""
-
-    def __init__(self, source: Callable[[], list[BlockKey]] | None) -> None:
-        self._source = source
-        self._keys: Iterator[BlockKey] | None = None
-
-    def next(
-        self, entries: dict[BlockKey, NvmeEntry], can_evict: Callable[[BlockKey], bool]
-    ) -> BlockKey | None:
-        if self._source is None:
-            return None
-        if self._keys is None:
-            self._keys = iter(self._source())
-        for key in self._keys:
-            if key in entries and can_evict(key):
-                return key
-        return None
-
-
-def _prepare_item(
-    item: tuple[BlockKey, bytes, Buffer], digest: bytes | None
-) -> tuple[BlockKey, bytes, memoryview, bytes | None]:
-    """Validate one write item (caller errors raise) and view its bytes."""
-    key, layout_fp, data = item
-    key = check_key(key)
-    layout_fp = bytes(layout_fp)
-    if len(layout_fp) != FINGERPRINT_BYTES:
-        raise LayoutError(
-            f"layout fingerprint must be {FINGERPRINT_BYTES} bytes, got {len(layout_fp)}"
-        )
-    if digest is not None and len(digest) != DIGEST_BYTES:
-        raise ValueError(f"block digest must be {DIGEST_BYTES} bytes, got {len(digest)}")
-    return key, layout_fp, memoryview(data).cast("B"), bytes(digest) if digest else None
 
 
 __all__ = ["NvmeEntry", "NvmeTier", "block_digest"]

@@ -1,6 +1,10 @@
 """The NVMe tier's directory and its LMDB index.
 
 Provides:
+- ``open_root``: open or create the whole directory for ``NvmeTier``: lock it,
+  open the index, fix the data file's geometry, open ``blocks.dat`` and
+  rebuild the allocator from the index (``OpenedRoot``), dropping rows that
+  do not fit the data file.
 - ``prepare_root`` / ``lock_root``: create and probe the tier's directory, and
   hold ``LOCK`` (fcntl.flock, exclusive, with the owner's pid written in it).
 - ``NvmeEntry``: what the index holds about one block, and its record format.
@@ -12,9 +16,10 @@ Record of one block, 88 bytes, ``<QQ32s32sd``: offset in the data file,
 nbytes, blake3 digest of the bytes, layout fingerprint, last access
 (seconds since the epoch).
 
-Threads: the owning NvmeTier serialises every write transaction (one writer,
-as LMDB requires). Every transaction is in a ``with``. Never use an
-environment across ``fork()``.
+Threads: ``open_root`` runs on the thread constructing the NvmeTier, before
+any other thread can see it. The owning NvmeTier serialises every write
+transaction (one writer, as LMDB requires). Every transaction is in a
+``with``. Never use an environment across ``fork()``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import logging
 import os
 import struct
 from collections.abc import Iterable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +37,8 @@ import lmdb
 
 from tierstore.errors import StorageError
 from tierstore.keys import KEY_BYTES, BlockKey
-from tierstore.tiers.blockfile import ALIGN_BYTES, round_up
+from tierstore.tiers.blockfile import ALIGN_BYTES, BlockFile, round_up
+from tierstore.tiers.slab import SlabAllocator
 
 logger = logging.getLogger("tierstore.tiers.nvme")
 
@@ -199,3 +206,81 @@ class NvmeIndex:
 
     def close(self) -> None:
         self._env.close()
+
+
+@dataclass(slots=True)
+class OpenedRoot:
+    """A tier directory opened by ``open_root``; its owner closes ``file``,
+    ``index`` and ``lock_fd``."""
+
+    lock_fd: int
+    index: NvmeIndex
+    alloc: SlabAllocator
+    file: BlockFile
+    entries: list[NvmeEntry]
+    """The indexed blocks, each claimed in ``alloc``; least recently used first."""
+
+
+def open_root(
+    root: Path, capacity_bytes: int, segment_bytes: int, *, direct_io: bool, sync: bool
+) -> OpenedRoot:
+    """Lock ``root``, open its index and data file, and rebuild the allocator.
+
+    Raises StorageError if ``root`` cannot be created or written, is used by
+    another tier, or holds an index of an unknown format; ConfigError (from the
+    allocator) if ``capacity_bytes`` is smaller than a segment. Whatever was
+    opened is closed again when it raises.
+    """
+    with ExitStack() as stack:
+        prepare_root(root)
+        lock_fd = lock_root(root)
+        stack.callback(os.close, lock_fd)
+        index = NvmeIndex(root / "index.lmdb", capacity_bytes, sync=sync)
+        stack.callback(index.close)
+        try:
+            alloc = SlabAllocator(capacity_bytes, index.segment_bytes(segment_bytes), ALIGN_BYTES)
+            file = _open_file(root / "blocks.dat", alloc.capacity_bytes, direct_io)
+            stack.callback(file.close)
+            entries = _load_entries(root, index, alloc, file)
+        except lmdb.Error as e:
+            raise StorageError(f"cannot use the NVMe index in {root}: {e}") from e
+        stack.pop_all()
+    return OpenedRoot(lock_fd, index, alloc, file, entries)
+
+
+def _open_file(path: Path, capacity_bytes: int, direct_io: bool) -> BlockFile:
+    try:
+        return BlockFile(path, capacity_bytes, direct_io=direct_io)
+    except OSError as e:
+        raise StorageError(f"cannot open NVMe data file {path}: {e.strerror or e}") from e
+
+
+def _load_entries(
+    root: Path, index: NvmeIndex, alloc: SlabAllocator, file: BlockFile
+) -> list[NvmeEntry]:
+    """Claim each row's slot in ``alloc``; drop rows that cannot be placed
+    (geometry change, beyond a shrunk capacity, or a data file that vanished)."""
+    loaded, bad = index.load()
+    if not file.existed:
+        bad.extend(e.key for e in loaded)
+        loaded = []
+    # Highest offsets first: the allocator hands out (and looks up) free
+    # slots from the top of a run, so each claim finds its slot at once.
+    loaded.sort(key=lambda e: e.offset, reverse=True)
+    kept: list[NvmeEntry] = []
+    for entry in loaded:
+        if alloc.claim(entry.offset, entry.nbytes):
+            kept.append(entry)
+        else:
+            bad.append(entry.key)
+    if bad:
+        index.commit(delete=bad)
+        logger.warning(
+            "NVMe tier %s dropped %d index rows that do not fit its data file",
+            root,
+            len(bad),
+        )
+    if file.size_bytes() > alloc.capacity_bytes:
+        file.truncate(alloc.capacity_bytes)
+    kept.sort(key=lambda e: e.last_access_s)
+    return kept
