@@ -26,12 +26,20 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import grpc
 import torch
 
+from tierstore.client_results import (
+    ClientLookup,
+    LoadResult,
+    Pinned,
+    PrefetchResult,
+    SidecarUnavailable,
+    rpc_error,
+)
 from tierstore.config import load_config
 from tierstore.copier import ArenaCopier, as_block_rows
 from tierstore.errors import BlockSizeError, LayoutError, TierstoreError
@@ -49,72 +57,14 @@ POLICY_CODES = {
 }
 OUTCOME_NAMES = {0: "started", 1: "done", 2: "late", 3: "cancelled"}
 HBM_PULL_CHUNK_BLOCKS = 64  # arena pins held at once while a prefetch fills HBM
-
-
-class SidecarUnavailable(TierstoreError, ConnectionError):
-    """The sidecar cannot be reached (not running, wrong socket, gone)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ClientLookup:
-    num_hits: int
-    tiers: tuple[TierName, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class LoadResult:
-    """``blocks[:num_blocks]`` holds the loaded prefix, one row per block."""
-
-    num_blocks: int
-    tiers: tuple[TierName, ...]
-    blocks: torch.Tensor
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchResult:
-    outcome: str  # started | done | late | cancelled
-    ready_blocks: int
-    available_blocks: int
-
-
-class Pinned:
-    """Blocks pinned in the arena; ``views[i]`` is a zero-copy uint8 tensor.
-    Release them (or use ``with``) so the sidecar may evict them again."""
-
-    def __init__(
-        self, client: StoreClient, layout: KVLayout, keys: list[BlockKey], offsets: list[int]
-    ) -> None:
-        self.client = client
-        self.layout = layout
-        self.keys = keys
-        self.offsets = offsets
-        n = layout.block_bytes
-        self.views = [client.arena_tensor[o : o + n] for o in offsets]
-        self._released = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.views = []
-            self.client._release(self.layout, self.keys)
-
-    def __enter__(self) -> Pinned:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def _rpc_error(e: grpc.RpcError, what: str) -> TierstoreError:
-    code = e.code() if hasattr(e, "code") else None
-    detail = e.details() if hasattr(e, "details") else str(e)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return SidecarUnavailable(f"{what}: sidecar unavailable: {detail}")
-    if code == grpc.StatusCode.NOT_FOUND:
-        return LayoutError(f"{what}: {detail}")
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return SidecarUnavailable(f"{what}: no answer within the deadline")
-    return TierstoreError(f"{what}: {code.name if code else 'error'}: {detail}")
+__all__ = [
+    "ClientLookup",
+    "LoadResult",
+    "Pinned",
+    "PrefetchResult",
+    "SidecarUnavailable",
+    "StoreClient",
+]
 
 
 class StoreClient:
@@ -159,7 +109,7 @@ class StoreClient:
             hello = next(self._attach)
         except grpc.RpcError as e:
             self._channel.close()
-            raise _rpc_error(e, "attach") from e
+            raise rpc_error(e, "attach") from e
         self.client_id = hello.client_id
         self.max_batch_keys = hello.max_batch_keys or 4096
         self.server_version = hello.server_version
@@ -220,7 +170,7 @@ class StoreClient:
         try:
             return method(request, timeout=self.call_timeout_s)
         except grpc.RpcError as e:
-            raise _rpc_error(e, what) from e
+            raise rpc_error(e, what) from e
 
     def _batches(self, keys: list[BlockKey]) -> Iterator[list[BlockKey]]:
         for lo in range(0, len(keys), self.max_batch_keys):
