@@ -3,6 +3,8 @@ by the local, peer and router services and their clients."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from tierstore.keys import KVLayout
 from tierstore.loadboard import HostLoadView
 from tierstore.v1 import common_pb2
@@ -22,12 +24,12 @@ def layout_from_proto(msg: common_pb2.Layout) -> KVLayout:
     )
 
 
+# HostLoadView and the HostLoad message have the same fields (names, meaning).
+_HOST_LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(HostLoadView))
+
+
 def host_load_proto(view: HostLoadView) -> common_pb2.HostLoad:
-    return common_pb2.HostLoad(
-        reported=view.reported, busy_slots=view.busy_slots, slots=view.slots,
-        queue_len=view.queue_len, wait_s=view.wait_s,
-        prefill_tokens_per_s=view.prefill_tokens_per_s, age_s=view.age_s,
-    )  # fmt: skip
+    return common_pb2.HostLoad(**{name: getattr(view, name) for name in _HOST_LOAD_FIELDS})
 
 
 def layout_to_proto(layout: KVLayout) -> common_pb2.Layout:
@@ -35,12 +37,4 @@ def layout_to_proto(layout: KVLayout) -> common_pb2.Layout:
 
 
 def load_from_proto(m: common_pb2.HostLoad) -> HostLoadView:
-    return HostLoadView(
-        reported=m.reported,
-        busy_slots=m.busy_slots,
-        slots=m.slots,
-        queue_len=m.queue_len,
-        wait_s=m.wait_s,
-        prefill_tokens_per_s=m.prefill_tokens_per_s,
-        age_s=m.age_s,
-    )
+    return HostLoadView(**{name: getattr(m, name) for name in _HOST_LOAD_FIELDS})
