@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import warnings
@@ -60,7 +59,7 @@ from tierstore.engines.hf import (
 from tierstore.keys import chain_keys
 from tierstore.tiers.base import TierName
 
-from ..integration.sidecar import REPO, SidecarProcess
+from ..integration.sidecar import REPO, SidecarProcess, free_port
 
 VOCAB = 512
 # Resumes reuse 1, 3 and 7 blocks (all but the last 16-31 tokens); 64 ends on
@@ -194,12 +193,6 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def save_cold(adapter: HFStoreAdapter, ids: torch.Tensor) -> int:
     return adapter.save(ids, adapter.prefill(ids).cache)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- fixtures: one sidecar (and one peer pair) per module --------------------------

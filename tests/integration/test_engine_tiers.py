@@ -4,7 +4,6 @@ client's report when it detaches; a report it must not take is refused."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from tierstore.keys import BlockKey, chain_keys
 from tierstore.v1 import common_pb2, local_pb2
 
 from ..conftest import SMALL_LAYOUT
-from .sidecar import REPO, SidecarProcess
+from .sidecar import REPO, SidecarProcess, free_port
 
 BLOCK = SMALL_LAYOUT.block_bytes
 
@@ -31,12 +30,6 @@ def keys_for(n: int, start: int) -> list[BlockKey]:
 
 def blocks(n: int) -> torch.Tensor:
     return torch.randint(0, 256, (n, BLOCK), dtype=torch.uint8, generator=torch.Generator())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hbm_row(client: StoreClient) -> common_pb2.TierStat | None:
@@ -55,7 +48,7 @@ def wait_for(predicate, timeout_s: float = 10.0):
 
 @pytest.fixture
 def sidecar(tmp_path):
-    port = _free_port()
+    port = free_port()
     proc = SidecarProcess(tmp_path, "--metrics-port", str(port))
     proc.metrics_port = port
     yield proc

@@ -6,7 +6,6 @@ both report peer_tls."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from tierstore.keys import chain_keys
 from tierstore.v1 import peer_pb2, peer_pb2_grpc
 
 from ..conftest import SMALL_LAYOUT
-from .sidecar import SidecarProcess
+from .sidecar import SidecarProcess, free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 
@@ -42,15 +41,9 @@ def _certs(root: Path) -> dict[str, Path]:
     return {"ca": root / "ca.pem", "cert": root / "node.pem", "key": root / "node.key"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_pull_and_push_over_mtls_and_refusals(tmp_path: Path) -> None:
     certs = _certs(tmp_path / "certs")
-    pa, pb = _free_port(), _free_port()
+    pa, pb = free_port(), free_port()
     tls = ["--set", f"tls_cert_file={certs['cert']}", "--set", f"tls_key_file={certs['key']}",
            "--set", f"tls_ca_file={certs['ca']}", "--set", "peer_token=t0k3n",
            "--set", "min_tokens=64"]  # fmt: skip

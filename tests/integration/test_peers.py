@@ -42,7 +42,7 @@ from tierstore.wire import layout_to_proto
 
 from ..conftest import SMALL_LAYOUT
 from .fakepeer import FakePeer
-from .sidecar import REPO, SidecarProcess
+from .sidecar import REPO, SidecarProcess, free_port
 
 L: KVLayout = SMALL_LAYOUT  # 8 KiB blocks of 8 tokens
 BLOCK = L.block_bytes
@@ -63,12 +63,6 @@ PLAINTEXT_WARNING = "listens beyond loopback without TLS"
 
 
 # -- helpers -----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def addr(port: int) -> str:

@@ -20,7 +20,7 @@ from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.tiers.base import TierName
 
 from ..conftest import SMALL_LAYOUT
-from .sidecar import REPO, SidecarProcess
+from .sidecar import REPO, SidecarProcess, free_port
 
 DRAM, NVME, HBM = TierName.DRAM, TierName.NVME, TierName.HBM
 
@@ -321,21 +321,13 @@ def test_sigterm_shuts_down_cleanly_and_restart_keeps_nvme(tmp_path) -> None:
         proc.stop()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_and_health(tmp_path) -> None:
     import urllib.request
 
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    port = _free_port()
+    port = free_port()
     proc = SidecarProcess(tmp_path, "--metrics-port", str(port))
     try:
         with StoreClient(str(proc.socket)) as client:
@@ -366,7 +358,7 @@ def test_serve_runs_with_no_config(tmp_path) -> None:
     env.update(
         XDG_CACHE_HOME=str(tmp_path / "cache"),
         PYTHONPATH=str(REPO),
-        TIERSTORE_METRICS_PORT=str(_free_port()),
+        TIERSTORE_METRICS_PORT=str(free_port()),
     )  # only to stay clear of other runs
     env.pop("XDG_RUNTIME_DIR", None)
     proc = subprocess.Popen(

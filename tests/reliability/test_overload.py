@@ -19,7 +19,6 @@ lookups is reported.
 from __future__ import annotations
 
 import random
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ import pytest
 
 from tierstore.client import StoreClient
 
+from ..integration.sidecar import free_port
 from . import (
     BASE_RSS_BOUND_BYTES,
     LAYOUT,
@@ -62,12 +62,6 @@ TOKEN = "overload-token"
 def _forkserver() -> Iterator[None]:
     yield
     stop_forkserver()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_sixteen_clients_and_a_peer(tmp_path: Path) -> None:

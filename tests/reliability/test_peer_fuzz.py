@@ -21,7 +21,7 @@ from tierstore.keys import KVLayout, chain_keys
 from tierstore.peer.service import MAX_MESSAGE_BYTES
 from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 
-from ..integration.sidecar import SidecarProcess
+from ..integration.sidecar import SidecarProcess, free_port
 
 LAYOUT = KVLayout("fuzz-model", 2, 2, 64, "float16", 8)
 TOKEN = "fuzz-token"
@@ -35,12 +35,6 @@ ALL_METHODS = {
 NUM_CASES = 2000
 CALL_TIMEOUT_S = 2.0
 BUDGET_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _layout(rng: random.Random) -> common_pb2.Layout:
@@ -73,7 +67,7 @@ def _message(rng: random.Random, method: str, stored: bytes) -> object:
 
 
 def test_peer_service_and_data_channel_survive_fuzzing(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     proc = SidecarProcess(
         tmp_path, "--set", f"peer_port={port}", "--set", f"peer_token={TOKEN}",
         "--set", "replica_bytes=256KiB", dram="4MiB", nvme="8MiB",
@@ -156,7 +150,7 @@ def test_peer_service_and_data_channel_survive_fuzzing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("token", ["", "Bearer wrong", TOKEN])
 def test_every_peer_method_needs_the_exact_token(tmp_path: Path, token: str) -> None:
-    port = _free_port()
+    port = free_port()
     proc = SidecarProcess(tmp_path, "--set", f"peer_port={port}", "--set", f"peer_token={TOKEN}")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
