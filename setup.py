@@ -16,8 +16,8 @@ setup(
             extra_compile_args=["-O3"],
         ),
         Extension(
-            "tierstore._fastcopy",
-            ["tierstore/_fastcopy.c"],
+            "tierstore.memory._fastcopy",
+            ["tierstore/memory/_fastcopy.c"],
             optional=True,
             extra_compile_args=["-O3"],
         ),

@@ -33,7 +33,7 @@ from switchsim import (
 
 from tierstore.client import StoreClient
 from tierstore.keys import KVLayout, chain_keys
-from tierstore.tiers.base import TIER_CODES
+from tierstore.tiers import TIER_CODES
 
 
 def scaled_layout(scale: Fraction, wl: Workload) -> KVLayout:

@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tierstore.loadboard import HostLoadView
+from tierstore.load import HostLoadView
 from tierstore.policies import rendezvous_target
 from tierstore.router.cost import DRAM, HostView, Plan, Rates, plan
 

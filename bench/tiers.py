@@ -49,9 +49,9 @@ from common import (
 
 from tierstore.config import StoreConfig
 from tierstore.keys import KVLayout, chain_keys
-from tierstore.memcopy import STREAMING, copy_into
-from tierstore.store import TieredStore
-from tierstore.tiers.nvme import NvmeTier
+from tierstore.memory.memcopy import STREAMING, copy_into
+from tierstore.store.nvme import NvmeTier
+from tierstore.store.tiered import TieredStore
 
 # 2 MiB blocks: 2 x 32 layers x 8 KV heads x 128 dim x 16 tokens x bf16.
 LAYOUT = KVLayout("bench-8b", 32, 8, 128, "bfloat16", 16)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, NewType
+from typing import Any, NewType, cast
 
 import blake3
 import numpy as np
@@ -182,8 +182,7 @@ def chain_keys(
     prev = bytes(parent) if parent is not None else root_key(layout)
     if _c_chain is not None:
         digests = _c_chain(prev, packed[: num_blocks * layout.block_tokens], stride)
-        # NewType is the identity at run time: skip 10^4 no-op calls on long prompts.
-        return [digests[i : i + KEY_BYTES] for i in range(0, len(digests), KEY_BYTES)]  # type: ignore[misc]
+        return unpack_keys(digests)
     data = packed[: num_blocks * layout.block_tokens].tobytes()
     hasher = blake3.blake3
     keys: list[BlockKey] = []
@@ -208,3 +207,19 @@ def check_keys(keys: Sequence[object]) -> list[BlockKey]:
     if all(type(k) is bytes and len(k) == KEY_BYTES for k in keys):  # the common case, fast
         return keys if isinstance(keys, list) else list(keys)  # type: ignore[return-value,arg-type]
     return [check_key(k) for k in keys]
+
+
+def unpack_keys(raw: bytes | bytearray | memoryview) -> list[BlockKey]:
+    """Split a packed run of 32-byte keys (a wire field, a digest run) into
+    BlockKeys; raises KeyFormatError if its length is not a multiple of 32.
+    The one place that does this, so every reader checks the same way."""
+    if len(raw) % KEY_BYTES:
+        raise KeyFormatError(f"packed keys must be a multiple of {KEY_BYTES} bytes, got {len(raw)}")
+    data = bytes(raw)
+    # NewType is the identity at run time: skip 10^4 no-op calls on long prompts.
+    return cast("list[BlockKey]", [data[i : i + KEY_BYTES] for i in range(0, len(data), KEY_BYTES)])
+
+
+def pack_keys(keys: Sequence[BlockKey]) -> bytes:
+    """The wire form of ``keys``: their 32 bytes each, concatenated."""
+    return b"".join(keys)

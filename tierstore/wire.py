@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from tierstore.keys import KVLayout
-from tierstore.loadboard import HostLoadView
+from tierstore.load import HostLoadView
 from tierstore.v1 import common_pb2
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tierstore.demo import StageBar, build_model
+from tierstore.cli.demo import StageBar, build_model
 
 REPO = Path(__file__).resolve().parents[2]
 

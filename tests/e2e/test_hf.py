@@ -57,7 +57,7 @@ from tierstore.engines.hf import (
     layout_for,
 )
 from tierstore.keys import chain_keys
-from tierstore.tiers.base import TierName
+from tierstore.tiers import TierName
 
 from ..integration.sidecar import REPO, SidecarProcess, free_port
 

@@ -27,7 +27,7 @@ import blake3
 import grpc
 
 from tierstore.peer import codec
-from tierstore.peer.service import TokenAuth
+from tierstore.peer.auth import TokenAuth
 from tierstore.v1 import peer_pb2, peer_pb2_grpc
 
 MODES = (

@@ -9,9 +9,6 @@ import struct
 import numpy as np
 import pytest
 import torch
-
-from tierstore.client import StoreClient
-from tierstore.errors import LayoutError
 from tierstore.fastpath import (
     LOOKUP_REP,
     LOOKUP_REQ,
@@ -23,8 +20,11 @@ from tierstore.fastpath import (
     FastLookupClient,
     fast_socket_path,
 )
+
+from tierstore.client import StoreClient
+from tierstore.errors import LayoutError
 from tierstore.keys import chain_keys
-from tierstore.tiers.base import TierName
+from tierstore.tiers import TierName
 
 from ..conftest import SMALL_LAYOUT
 from .sidecar import SidecarProcess

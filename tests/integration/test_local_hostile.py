@@ -37,7 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierstore.client import StoreClient
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, chain_keys
-from tierstore.server import MAX_MESSAGE_BYTES
+from tierstore.sidecar.service import MAX_MESSAGE_BYTES
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -36,7 +36,7 @@ from tierstore.client import StoreClient
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.peer import codec
 from tierstore.policies import rendezvous_target
-from tierstore.tiers.base import TierName
+from tierstore.tiers import TierName
 from tierstore.v1 import peer_pb2, peer_pb2_grpc
 from tierstore.wire import layout_to_proto
 

@@ -1,4 +1,4 @@
-"""NVMe -> DRAM promotion with several reads in flight (tierstore.promoter):
+"""NVMe -> DRAM promotion with several reads in flight (tierstore.store.promoter):
 the prefix comes back byte-exact and in order, a gap or a failing read stops
 it there, and no pin or half-written slot is left behind."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tierstore.keys import BlockKey, KVLayout, chain_keys
-from tierstore.store import TieredStore
-from tierstore.tiers.base import TierName
+from tierstore.store.tiered import TieredStore
+from tierstore.tiers import TierName
 
 OWNER = 7
 

@@ -17,7 +17,7 @@ import torch
 
 from tierstore.client import PrefetchResult, StoreClient
 from tierstore.keys import BlockKey, KVLayout, chain_keys
-from tierstore.tiers.base import TierName
+from tierstore.tiers import TierName
 
 from ..conftest import SMALL_LAYOUT
 from .sidecar import REPO, SidecarProcess, free_port

@@ -22,9 +22,9 @@ from tierstore.config import StoreConfig
 from tierstore.errors import BlockSizeError, KeyFormatError, LayoutError
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.policies import ADMISSION_POLICIES, EVICTION_POLICIES
-from tierstore.store import TieredStore
-from tierstore.tiers.base import TierName
-from tierstore.tiers.dram import ReserveStatus
+from tierstore.store.dram import ReserveStatus
+from tierstore.store.tiered import TieredStore
+from tierstore.tiers import TierName
 
 from ..conftest import SMALL_LAYOUT
 

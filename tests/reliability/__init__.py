@@ -42,10 +42,10 @@ import grpc
 import lmdb
 import numpy as np
 
-from tierstore import server as local_service
 from tierstore.config import PeerConfig
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.peer import service as peer_service
+from tierstore.sidecar import service as local_service
 from tierstore.v1 import local_pb2, local_pb2_grpc
 
 from ..integration.sidecar import serve_args

@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 from tierstore.client import StoreClient
-from tierstore.tiers.base import TierName
+from tierstore.tiers import TierName
 
 from . import LAYOUT, REPO, Sidecar, arenas_of, blocks_of, chain, count_wrong
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 
 from tierstore.client import StoreClient
-from tierstore.tiers.base import TierName
+from tierstore.tiers import TierName
 
 from . import BLOCK, LAYOUT, REPO, Sidecar, blocks_of, chain, count_wrong
 from .relay import DelayRelay, drop_random, listening_ports, stop_dropping, tcp_retransmits

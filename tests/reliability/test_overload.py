@@ -191,8 +191,8 @@ def test_reserve_racing_detach_leaks_nothing() -> None:
     import threading
 
     from tierstore.config import Config, StoreConfig
-    from tierstore.server import LocalServicer
-    from tierstore.store import TieredStore
+    from tierstore.sidecar.service import LocalServicer
+    from tierstore.store.tiered import TieredStore
     from tierstore.v1 import local_pb2
     from tierstore.wire import layout_to_proto
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tierstore.keys import BlockKey, KVLayout, chain_keys
-from tierstore.prefetch import (
+from tierstore.sidecar.prefetch import (
     BestEffort,
     Outcome,
     Prefetcher,
@@ -22,7 +22,7 @@ from tierstore.prefetch import (
     Timeout,
     WaitAll,
 )
-from tierstore.store import TieredStore
+from tierstore.store.tiered import TieredStore
 
 
 def test_best_effort_never_waits() -> None:

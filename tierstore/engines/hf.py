@@ -54,7 +54,7 @@ import torch
 from tierstore.client import StoreClient
 from tierstore.errors import LayoutError, TierstoreError
 from tierstore.keys import DTYPE_BYTES, BlockKey, KVLayout, chain_keys
-from tierstore.tiers.base import TierName
+from tierstore.tiers import TierName
 
 # Config fields that do not change the KV a model computes: excluded from the
 # identity hash so that a model saved and reloaded keeps its keys.

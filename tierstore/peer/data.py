@@ -38,8 +38,8 @@ import blake3
 
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.peer import codec
-from tierstore.store import TieredStore
-from tierstore.tiers.dram import ReserveStatus
+from tierstore.store.dram import ReserveStatus
+from tierstore.store.tiered import TieredStore
 
 log = logging.getLogger(__name__)
 

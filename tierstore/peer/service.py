@@ -13,13 +13,9 @@ the sidecar says so once at start, and its stat shows ``peer_tls``.
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import logging
-import socket
-import ssl
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -28,12 +24,13 @@ import grpc
 
 from tierstore.config import PeerConfig
 from tierstore.errors import TierstoreError
-from tierstore.keys import KEY_BYTES, BlockKey, KVLayout
-from tierstore.loadboard import LoadBoard
+from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, unpack_keys
+from tierstore.peer.auth import TokenAuth, is_loopback, server_ssl_context
 from tierstore.peer.data import DataServer
 from tierstore.peer.tier import PeerTier
-from tierstore.store import TieredStore
-from tierstore.tiers.base import TIER_CODES
+from tierstore.sidecar.loadboard import LoadBoard
+from tierstore.store.tiered import TieredStore
+from tierstore.tiers import TIER_CODES
 from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from tierstore.wire import host_load_proto, layout_from_proto
 
@@ -43,28 +40,6 @@ MAX_PEER_KEYS = 65536  # keys in one peer call (2 MiB of keys)
 MAX_MESSAGE_BYTES = 4 << 20
 WATCH_CHUNK_KEYS = 32768  # keys per snapshot message (1 MiB)
 WIRE_TIERS = {tier: common_pb2.Tier.Name(code) for tier, code in TIER_CODES.items()}
-
-
-class TokenAuth(grpc.ServerInterceptor):
-    """Refuses every call whose metadata lacks the group token."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong peer token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-
-    def intercept_service(
-        self, continuation: Callable[[Any], Any], handler_call_details: Any
-    ) -> Any:
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(given, self._expected):
-                    return continuation(handler_call_details)
-        return self._deny
 
 
 class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
@@ -100,7 +75,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
                 f"keys must be a multiple of {KEY_BYTES} bytes and at most {MAX_PEER_KEYS} keys",
             )
         self.store.register_layout(layout)
-        return layout, [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]  # type: ignore[misc]
+        return layout, unpack_keys(raw)
 
     def Lookup(self, request: peer_pb2.PeerKeysRequest, context: Any) -> peer_pb2.PeerLookupReply:
         layout, keys = self._parse(request.layout, request.keys, context)
@@ -210,27 +185,6 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         return peer_pb2.BlockEvents(
             epoch=self.store.events.epoch, seq=seq, op=op, load=host_load_proto(self.loads.host())
         )
-
-
-def is_loopback(host: str) -> bool:
-    """Whether every address ``host`` names is a loopback one (``0.0.0.0``,
-    ``::`` and a name that does not resolve are not)."""
-    try:
-        infos = socket.getaddrinfo(host, None)
-        return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
-    except (OSError, ValueError):
-        return False
-
-
-def server_ssl_context(cfg: PeerConfig) -> ssl.SSLContext | None:
-    if not cfg.tls_cert_file:
-        return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
-    if cfg.tls_ca_file:
-        ctx.load_verify_locations(cfg.tls_ca_file)
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
 
 
 class PeerServer:

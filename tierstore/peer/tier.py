@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import logging
 import queue
-import socket
-import ssl
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,11 +30,12 @@ import grpc
 from tierstore.config import PeerConfig
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.peer import codec
+from tierstore.peer.client import PeerClient
 from tierstore.peer.data import ReceiveResult, receive_blocks
 from tierstore.policies import rendezvous_target
 from tierstore.ratelog import RateLimitedLog
-from tierstore.store import TieredStore
-from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
+from tierstore.store.tiered import TieredStore
+from tierstore.v1 import peer_pb2
 
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)  # per kind and peer: a flapping peer must not flood the log
@@ -46,132 +44,6 @@ MAX_SESSIONS = 4096  # sessions whose last turn's keys are remembered
 LINK_PROBE_MIN_BYTES = 16 << 20  # raw transfers at least this large measure the link
 LINK_REPROBE_EVERY = 8  # with compression on, every 8th transfer goes raw to re-measure
 REPLICATOR_THREADS = 4  # replica pushes in flight at once
-RECONNECT_OPTIONS = [  # a restarted peer is seen again within ~2 s (gRPC default: up to 120 s)
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    # gRPC also takes this as the shortest time a connection attempt is given:
-    # at 100 ms, a peer ~200 ms of round trip away could never be connected.
-    ("grpc.min_reconnect_backoff_ms", 2000),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
-MAX_MESSAGE_BYTES = 4 << 20
-
-
-def layout_proto(layout: KVLayout) -> common_pb2.Layout:
-    return common_pb2.Layout(**layout.to_dict())
-
-
-def client_ssl_context(cfg: PeerConfig) -> ssl.SSLContext | None:
-    if not cfg.tls_ca_file:
-        return None
-    ctx = ssl.create_default_context(cafile=cfg.tls_ca_file)
-    ctx.check_hostname = False  # peers are addressed by IP; the CA pins who they are
-    if cfg.tls_cert_file:
-        ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
-    return ctx
-
-
-class PeerClient:
-    """One remote sidecar's peer service."""
-
-    def __init__(self, address: str, cfg: PeerConfig, token: str) -> None:
-        self.address = address
-        self.cfg = cfg
-        self._metadata = (("authorization", f"Bearer {token}"),)
-        options: list[tuple[str, int | str]] = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            *RECONNECT_OPTIONS,
-        ]
-        if cfg.tls_ca_file:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=Path(cfg.tls_ca_file).read_bytes(),
-                private_key=Path(cfg.tls_key_file).read_bytes() if cfg.tls_key_file else None,
-                certificate_chain=(
-                    Path(cfg.tls_cert_file).read_bytes() if cfg.tls_cert_file else None
-                ),
-            )
-            options.append(("grpc.ssl_target_name_override", "tierstore"))
-            self._channel = grpc.secure_channel(address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
-        self._stub = peer_pb2_grpc.PeerServiceStub(self._channel)
-        self._ssl = client_ssl_context(cfg)
-        self.link_bytes_per_s = 0.0  # measured on large raw transfers (EWMA)
-        self.transfers = 0
-
-    def lookup_future(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> Any:
-        req = peer_pb2.PeerKeysRequest(layout=layout_proto(layout), keys=b"".join(keys))
-        return self._stub.Lookup.future(req, timeout=timeout_s, metadata=self._metadata)
-
-    def watch_blocks(self, epoch: int, from_seq: int) -> Any:
-        """The sidecar's stream of tier changes (a grpc call: iterate, ``cancel``)."""
-        req = peer_pb2.WatchBlocksRequest(epoch=epoch, from_seq=from_seq)
-        return self._stub.WatchBlocks(req, metadata=self._metadata)
-
-    def fetch_into(
-        self,
-        store: TieredStore,
-        layout: KVLayout,
-        keys: Sequence[BlockKey],
-        deadline: float,
-        compress: bool,
-    ) -> ReceiveResult:
-        """Fetch the prefix of ``keys`` the peer holds into ``store`` (verified)."""
-        req = peer_pb2.OpenFetchRequest(
-            layout=layout_proto(layout),
-            keys=b"".join(keys),
-            compression=peer_pb2.COMPRESSION_ZSTD_BYTESPLIT
-            if compress
-            else peer_pb2.COMPRESSION_NONE,
-        )
-        reply = self._stub.OpenFetch(
-            req, timeout=max(deadline - time.monotonic(), 0.001), metadata=self._metadata
-        )
-        if reply.num_blocks == 0:
-            return ReceiveResult()
-        host, _, port = reply.data_address.rpartition(":")
-        started = time.monotonic()
-        conn = socket.create_connection((host, int(port)), timeout=max(deadline - started, 0.001))
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if reply.tls:
-                if self._ssl is None:
-                    raise OSError("the peer's data channel speaks TLS but no tls_ca_file is set")
-                conn = self._ssl.wrap_socket(conn)
-            conn.sendall(reply.ticket)
-            result = receive_blocks(conn, store, layout, list(keys[: reply.num_blocks]), deadline)
-        finally:
-            conn.close()
-        elapsed = time.monotonic() - started
-        self.transfers += 1
-        # Only large raw transfers say how fast the link is: a small one is
-        # mostly connection set-up and would read as a slow link.
-        if not compress and result.bytes >= LINK_PROBE_MIN_BYTES and elapsed > 0:
-            rate = result.bytes / elapsed
-            self.link_bytes_per_s = (
-                rate if not self.link_bytes_per_s else (0.7 * self.link_bytes_per_s + 0.3 * rate)
-            )
-        return result
-
-    def replicate(
-        self,
-        layout: KVLayout,
-        keys: Sequence[BlockKey],
-        source: str,
-        session: str,
-        timeout_s: float,
-    ) -> peer_pb2.ReplicateReply:
-        req = peer_pb2.ReplicateRequest(
-            layout=layout_proto(layout),
-            keys=b"".join(keys),
-            source=source,
-            session=session,
-            deadline_s=timeout_s,
-        )
-        return self._stub.Replicate(req, timeout=timeout_s + 1.0, metadata=self._metadata)
-
-    def close(self) -> None:
-        self._channel.close()
 
 
 @dataclass
@@ -282,9 +154,7 @@ class PeerTier:
     ) -> ReceiveResult:
         self.count("fetches")
         try:
-            result = peer.fetch_into(
-                self.store, layout, keys, deadline, self._compress(peer, layout)
-            )
+            result = self._receive(peer, layout, keys, deadline, self._compress(peer, layout))
         except (grpc.RpcError, OSError) as e:
             self.count("fetch_timeouts" if _timed_out(e, deadline) else "fetch_errors")
             _faults.warning(
@@ -305,6 +175,26 @@ class PeerTier:
             )
         return result
 
+    def _receive(
+        self, peer: PeerClient, layout: KVLayout, keys: list[BlockKey], deadline: float,
+        compress: bool,
+    ) -> ReceiveResult:
+        """Open a transfer from ``peer`` and read it into the store (verified);
+        large raw transfers measure the link to it."""
+        started = time.monotonic()
+        num_blocks, conn = peer.open_fetch(layout, keys, deadline, compress)
+        if conn is None:
+            return ReceiveResult()
+        try:
+            result = receive_blocks(conn, self.store, layout, keys[:num_blocks], deadline)
+        finally:
+            conn.close()
+        # Only large raw transfers say how fast the link is: a small one is
+        # mostly connection set-up and would read as a slow link.
+        if not compress and result.bytes >= LINK_PROBE_MIN_BYTES:
+            peer.link.add(result.bytes, time.monotonic() - started)
+        return result
+
     def _compress(self, peer: PeerClient, layout: KVLayout) -> bool:
         """Compress only when it makes this transfer faster: when the link
         measured to this peer is slower than compression on this host."""
@@ -314,7 +204,7 @@ class PeerTier:
             return True
         if peer.transfers % LINK_REPROBE_EVERY == LINK_REPROBE_EVERY - 1:
             return False  # keep the link estimate current
-        return 0 < peer.link_bytes_per_s < self._codec_bytes_per_s
+        return 0 < peer.link.bytes_per_s < self._codec_bytes_per_s
 
     # -- kv_share: the sending side ---------------------------------------------------
 
@@ -348,7 +238,7 @@ class PeerTier:
 
     def fetch_bytes_per_s(self) -> float:
         """Mean link speed measured to the peers (0: none measured yet)."""
-        rates = [c.link_bytes_per_s for c in self.clients.values() if c.link_bytes_per_s > 0]
+        rates = [r for r in (c.link.bytes_per_s for c in self.clients.values()) if r > 0]
         return sum(rates) / len(rates) if rates else 0.0
 
     def spill_target(self, session: str) -> str | None:

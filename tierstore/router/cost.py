@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from tierstore.loadboard import HostLoadView
+from tierstore.load import HostLoadView
 from tierstore.policies import rendezvous_weight
-from tierstore.tiers.base import TIER_CODES, TierName
+from tierstore.tiers import TIER_CODES, TierName
 
 _TIER_ORDER = (TierName.HBM, TierName.DRAM, TierName.NVME, TierName.PEER)
 HBM, DRAM, NVME, PEER = (TIER_CODES[t] for t in _TIER_ORDER)

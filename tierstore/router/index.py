@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from tierstore.keys import KEY_BYTES, BlockKey
-from tierstore.loadboard import HostLoadView
+from tierstore.load import HostLoadView
 from tierstore.v1 import common_pb2, peer_pb2
 from tierstore.wire import load_from_proto
 

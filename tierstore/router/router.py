@@ -20,8 +20,8 @@ import grpc
 from tierstore.config import PeerConfig, RouterConfig
 from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey, KVLayout
-from tierstore.loadboard import HostLoadView
-from tierstore.peer.tier import PeerClient
+from tierstore.load import HostLoadView
+from tierstore.peer.client import PeerClient
 from tierstore.router.cost import HostView, Plan, Rates, plan
 from tierstore.router.feeder import IndexFeeder
 from tierstore.router.index import FleetIndex

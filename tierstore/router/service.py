@@ -19,8 +19,8 @@ import numpy as np
 
 from tierstore.config import Config
 from tierstore.errors import TierstoreError
-from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, chain_keys
-from tierstore.peer.service import TokenAuth
+from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, chain_keys, unpack_keys
+from tierstore.peer.auth import TokenAuth
 from tierstore.router.cost import HostCost, Plan
 from tierstore.router.router import Router
 from tierstore.v1 import router_pb2, router_pb2_grpc
@@ -77,7 +77,7 @@ def parse_request(request: router_pb2.RouteRequest) -> tuple[KVLayout, list[Bloc
     raw = request.keys
     if len(raw) % KEY_BYTES or len(raw) // KEY_BYTES > MAX_ROUTE_KEYS:
         raise ValueError(f"keys must be a multiple of {KEY_BYTES} bytes, at most {MAX_ROUTE_KEYS}")
-    keys = [BlockKey(raw[i : i + KEY_BYTES]) for i in range(0, len(raw), KEY_BYTES)]
+    keys = unpack_keys(raw)
     num_tokens = request.num_tokens or len(keys) * layout.block_tokens
     return layout, keys, num_tokens
 

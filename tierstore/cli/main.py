@@ -1,0 +1,297 @@
+"""The ``tierstore`` command: ``serve``, ``stat``, ``demo``, ``config``, ``route``, ``router``.
+
+Runs in the foreground of the shell that calls it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tierstore import __version__
+from tierstore.config import SECTIONS, Config, config_to_dict, load_config
+from tierstore.errors import TierstoreError
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML config file")
+    parser.add_argument(
+        "--set",
+        metavar="NAME=VALUE",
+        action="append",
+        default=[],
+        help="override one setting (repeatable), e.g. --set dram_bytes=4GiB",
+    )
+    for flag, name, help_text in (
+        ("--socket", "socket_path", "Unix socket of the sidecar"),
+        ("--dram-bytes", "dram_bytes", "size of the DRAM arena, e.g. 8GiB"),
+        ("--nvme-dir", "nvme_dir", "directory of the NVMe tier"),
+        ("--nvme-bytes", "nvme_bytes", "NVMe budget, e.g. 200GiB; 0 disables the tier"),
+        ("--metrics-port", "metrics_port", "Prometheus port; 0 disables it"),
+    ):
+        parser.add_argument(flag, dest=name, default=None, help=help_text)
+
+
+def _config(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {}
+    for section in SECTIONS.values():
+        for name in (f.name for f in dataclasses.fields(section)):
+            value = getattr(args, name, None)
+            if value is not None:
+                overrides[name] = value
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise TierstoreError(f"--set needs NAME=VALUE, got {item!r}")
+        overrides[name.strip()] = value.strip()
+    return load_config(args.config, overrides=overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tierstore.sidecar.process import serve
+
+    config = _config(args)
+    logging.basicConfig(
+        level=config.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return serve(config)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tierstore.cli.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    print(json.dumps(config_to_dict(_config(args)), indent=2))
+    return 0
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _stat_dict(reply: Any) -> dict[str, Any]:
+    from google.protobuf.json_format import MessageToDict
+
+    return MessageToDict(
+        reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
+def format_stat(stat: dict[str, Any]) -> str:
+    """A readable table of a StatReply (as a dict)."""
+    lines = [
+        f"tierstore {stat.get('version', '?')}  up {float(stat.get('uptime_s', 0)):.0f}s  "
+        f"socket {stat.get('socket_path', '?')}",
+        "",
+    ]
+    header = (
+        "tier",
+        "used",
+        "capacity",
+        "use%",
+        "blocks",
+        "hit rate",
+        "in",
+        "out",
+        "evicted",
+        "bad reads",
+    )
+    rows = [header]
+    for t in stat.get("tiers", []):
+        cap, used = int(t["capacity_bytes"]), int(t["used_bytes"])
+        hits, misses = int(t["hits"]), int(t["misses"])
+        lookups = hits + misses
+        rows.append(
+            (
+                t["name"],
+                _human_bytes(used),
+                _human_bytes(cap),
+                f"{100 * used / cap:.0f}%" if cap else "-",
+                str(t["num_blocks"]),
+                f"{100 * hits / lookups:.1f}%" if lookups else "-",
+                _human_bytes(int(t["bytes_in"])),
+                _human_bytes(int(t["bytes_out"])),
+                str(t["evictions"]),
+                str(int(t["verify_failures"]) + int(t["read_failures"])),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    for r, row in enumerate(rows):
+        lines.append(
+            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        )
+        if r == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    c = {k: int(v) for k, v in stat.get("counters", {}).items()}
+    lines += [
+        "",
+        "prefetch  done {}  late {}  cancelled {}  started {}  blocks {}".format(
+            c.get("prefetch_done", 0),
+            c.get("prefetch_late", 0),
+            c.get("prefetch_cancelled", 0),
+            c.get("prefetch_started", 0),
+            c.get("prefetch_blocks_promoted", 0),
+        ),
+        "store     lookups {}  promotions {}  spilled {}  spill failures {}  "
+        "bad requests {}".format(
+            c.get("lookups", 0),
+            c.get("promotions", 0),
+            c.get("spilled_blocks", 0),
+            c.get("spill_failures", 0),
+            c.get("bad_requests", 0),
+        ),
+    ]
+    if "peer_lookups" in c:
+        lines.append(
+            "peers     lookups {} (errors {}, timeouts {})  fetched {} blocks, {} "
+            "(errors {}, timeouts {}, bad blocks {})".format(
+                c.get("peer_lookups", 0),
+                c.get("peer_lookup_errors", 0),
+                c.get("peer_lookup_timeouts", 0),
+                c.get("peer_fetched_blocks", 0),
+                _human_bytes(c.get("peer_fetched_bytes", 0)),
+                c.get("peer_fetch_errors", 0),
+                c.get("peer_fetch_timeouts", 0),
+                c.get("peer_fetch_verify_failures", 0),
+            )
+        )
+        lines.append(
+            "replicas  pushed {} blocks in {} pushes (errors {}, dropped {})  imported {}  "
+            "rejected {}  held {}".format(
+                c.get("peer_pushed_blocks", 0),
+                c.get("peer_pushes", 0),
+                c.get("peer_push_errors", 0),
+                c.get("peer_pushes_dropped", 0),
+                c.get("peer_replicas_imported", 0),
+                c.get("peer_replicas_rejected", 0),
+                _human_bytes(c.get("replica_bytes", 0)),
+            )
+        )
+    if "peer_watchers" in c:
+        lines.append(
+            "routers   {} watching  snapshots sent {}  refused {}".format(
+                c.get("peer_watchers", 0),
+                c.get("peer_watch_snapshots", 0),
+                c.get("peer_watch_refused", 0),
+            )
+        )
+    load = stat.get("load") or {}
+    if load.get("reported"):
+        lines.append(
+            "load      {}/{} slots busy, {} queued (reported by the engines)".format(
+                load.get("busy_slots", 0), load.get("slots", 0), load.get("queue_len", 0)
+            )
+        )
+    clients = stat.get("clients", [])
+    lines.append(f"clients   {len(clients)} attached")
+    for cl in clients:
+        lines.append(
+            f"          #{cl['client_id']} {cl['name']} (pid {cl['pid']}) "
+            f"{float(cl['connected_s']):.0f}s, {cl['pins']} pins"
+        )
+    return "\n".join(lines)
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    import grpc
+
+    from tierstore.v1 import local_pb2, local_pb2_grpc
+
+    socket_path = args.socket or load_config(args.config).server.socket_path
+    with grpc.insecure_channel(f"unix:{socket_path}") as channel:
+        stub = local_pb2_grpc.LocalServiceStub(channel)
+        while True:
+            try:
+                reply = stub.Stat(local_pb2.StatRequest(), timeout=args.timeout)
+            except grpc.RpcError as e:
+                print(
+                    f"tierstore stat: no sidecar answers on unix:{socket_path} "
+                    f"({e.code().name}); start one with `tierstore serve`",
+                    file=sys.stderr,
+                )
+                return 1
+            stat = _stat_dict(reply)
+            if args.json:
+                print(json.dumps(stat, indent=2), flush=True)
+            else:
+                if args.watch:
+                    print("\x1b[2J\x1b[H", end="")
+                print(format_stat(stat), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tierstore", description="Tiered KV-cache store for LLM inference."
+    )
+    parser.add_argument("--version", action="version", version=f"tierstore {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the sidecar (no config needed)")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("stat", help="show a running sidecar's tiers and counters")
+    p.add_argument("--socket", default=None, help="Unix socket of the sidecar")
+    p.add_argument("--config", metavar="FILE", help="read socket_path from this config")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=2.0,
+        default=0.0,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until interrupted",
+    )
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the sidecar")
+    p.set_defaults(func=cmd_stat)
+
+    p = sub.add_parser("demo", help="two hosts, one conversation, a warm session switch")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--tokens", type=int, default=4096, help="prompt tokens at the switch")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size of the random model")
+    p.add_argument("--layers", type=int, default=4, help="layers of the random model")
+    p.add_argument("--keep", action="store_true", help="keep the sidecars' files (logs)")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("config", help="print the effective configuration")
+    _add_config_flags(p)
+    p.set_defaults(func=cmd_config)
+
+    from tierstore.cli.route import add_parsers as add_router_parsers
+
+    add_router_parsers(sub, _add_config_flags)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except TierstoreError as e:
+        print(f"tierstore {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

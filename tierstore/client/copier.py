@@ -1,0 +1,128 @@
+"""Copies between an engine's memory and the sidecar's shared arena.
+
+Provides ``ArenaCopier`` (one per client: on a CUDA device it registers the
+arena as pinned host memory and copies on a side stream; on the CPU each
+run of blocks is one streaming copy, see ``tierstore.memory.memcopy``) and
+``as_block_rows``, which views a caller's blocks as one flat uint8 row per
+block without copying where it can.
+
+Runs in the engine process, on the threads that call the client.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from tierstore.client import cuda
+from tierstore.errors import BlockSizeError
+from tierstore.keys import KVLayout
+from tierstore.memory.memcopy import copy_into
+
+
+class ArenaCopier:
+    def __init__(self, arena_tensor: torch.Tensor, device: torch.device) -> None:
+        self.arena_tensor = arena_tensor
+        self.device = device
+        self._pinned_host = False
+        self._stream: Any = None
+        if cuda.available(device):
+            self._pinned_host = cuda.register_host(arena_tensor)
+            self._stream = cuda.copy_stream(device)
+
+    def sync(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if dst.device.type == "cpu" and src.device.type == "cpu":
+            # One streaming copy (tierstore.memory.memcopy). torch's copy_ splits a
+            # block over its intra-op threads, and when the cores are busy (the
+            # engine computing) those threads spin-wait: block copies ran 40x
+            # slower than memcpy.
+            copy_into(dst.numpy(), src.numpy())
+        elif self._stream is not None:
+            # The side stream must not start before the work already queued on
+            # the engine's stream (the kernels that wrote ``src``) has run.
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+            with torch.cuda.stream(self._stream):
+                dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)
+
+    def empty_rows(self, num_rows: int, row_bytes: int) -> torch.Tensor:
+        """An uninitialised (num_rows, row_bytes) uint8 tensor on this client's
+        device; on the CPU page-aligned like the arena (a destination a few
+        bytes past a page boundary halves memcpy speed: 4 KiB aliasing)."""
+        if self.device.type != "cpu":
+            return torch.empty((num_rows, row_bytes), dtype=torch.uint8, device=self.device)
+        buf = mmap.mmap(-1, max(num_rows * row_bytes, mmap.PAGESIZE))
+        return torch.frombuffer(buf, dtype=torch.uint8)[: num_rows * row_bytes].view(
+            num_rows, row_bytes
+        )
+
+    def copy_runs(
+        self, rows: torch.Tensor, offsets: Sequence[int], block_bytes: int, to_arena: bool
+    ) -> None:
+        """Copy between ``rows[j]`` and the arena slot at ``offsets[j]``,
+        merging slots that sit back to back in the arena into one copy
+        (a slab run holds consecutive blocks: 2048 blocks went 45 -> 20 ms)."""
+        j = 0
+        while j < len(offsets):
+            k = j + 1
+            while k < len(offsets) and offsets[k] == offsets[k - 1] + block_bytes:
+                k += 1
+            arena = self.arena_tensor[offsets[j] : offsets[j] + (k - j) * block_bytes]
+            span = rows[j:k].reshape(-1)
+            if to_arena:
+                self.copy(arena, span)
+            else:
+                self.copy(span, arena)
+            j = k
+
+    def close(self) -> None:
+        if self._pinned_host:
+            cuda.unregister_host(self.arena_tensor)
+            self._pinned_host = False
+
+
+def as_block_rows(layout: KVLayout, num_blocks: int, blocks: Any) -> list[torch.Tensor]:
+    """One flat uint8 tensor per block from a tensor/array/buffer holding
+    ``num_blocks`` blocks, or from a list of per-block ones. Zero-copy where
+    the input is contiguous; raises BlockSizeError before anything is stored."""
+    size = layout.block_bytes
+    if isinstance(blocks, list | tuple):
+        if len(blocks) != num_blocks:
+            raise BlockSizeError(f"{len(blocks)} blocks given for {num_blocks} keys")
+        rows = [_flat_bytes(b) for b in blocks]
+        for i, row in enumerate(rows):
+            if row.numel() != size:
+                raise BlockSizeError(f"block {i} has {row.numel()} bytes; the layout needs {size}")
+        return rows
+    flat = _flat_bytes(blocks)
+    if flat.numel() != size * num_blocks:
+        raise BlockSizeError(
+            f"{flat.numel()} bytes given for {num_blocks} blocks of {size} bytes; "
+            f"expected {size * num_blocks}"
+        )
+    return list(flat.view(num_blocks, size)) if num_blocks else []
+
+
+def _flat_bytes(obj: Any) -> torch.Tensor:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        return t.reshape(-1).view(torch.uint8)
+    arr = (
+        np.ascontiguousarray(
+            np.frombuffer(obj, dtype=np.uint8) if not isinstance(obj, np.ndarray) else obj
+        )
+        .reshape(-1)
+        .view(np.uint8)
+    )
+    return torch.from_numpy(arr)

@@ -1,0 +1,91 @@
+"""What ``StoreClient``'s calls return and raise.
+
+Provides ``SidecarUnavailable`` (the sidecar cannot be reached), the result
+types ``ClientLookup``, ``LoadResult``, ``PrefetchResult``, the ``Pinned``
+handle of blocks pinned in the arena, and ``rpc_error``, which maps a gRPC
+error of the local service to tierstore's errors. ``tierstore.client``
+re-exports them.
+
+Runs in the engine process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from tierstore.errors import LayoutError, TierstoreError
+from tierstore.keys import BlockKey, KVLayout
+from tierstore.tiers import TierName
+
+if TYPE_CHECKING:
+    from tierstore.client.store_client import StoreClient
+
+
+class SidecarUnavailable(TierstoreError, ConnectionError):
+    """The sidecar cannot be reached (not running, wrong socket, gone)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientLookup:
+    num_hits: int
+    tiers: tuple[TierName, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """``blocks[:num_blocks]`` holds the loaded prefix, one row per block."""
+
+    num_blocks: int
+    tiers: tuple[TierName, ...]
+    blocks: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    outcome: str  # started | done | late | cancelled
+    ready_blocks: int
+    available_blocks: int
+
+
+class Pinned:
+    """Blocks pinned in the arena; ``views[i]`` is a zero-copy uint8 tensor.
+    Release them (or use ``with``) so the sidecar may evict them again."""
+
+    def __init__(
+        self, client: StoreClient, layout: KVLayout, keys: list[BlockKey], offsets: list[int]
+    ) -> None:
+        self.client = client
+        self.layout = layout
+        self.keys = keys
+        self.offsets = offsets
+        n = layout.block_bytes
+        self.views = [client.arena_tensor[o : o + n] for o in offsets]
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.views = []
+            self.client._release(self.layout, self.keys)
+
+    def __enter__(self) -> Pinned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def rpc_error(e: grpc.RpcError, what: str) -> TierstoreError:
+    code = e.code() if hasattr(e, "code") else None
+    detail = e.details() if hasattr(e, "details") else str(e)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return SidecarUnavailable(f"{what}: sidecar unavailable: {detail}")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return LayoutError(f"{what}: {detail}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return SidecarUnavailable(f"{what}: no answer within the deadline")
+    return TierstoreError(f"{what}: {code.name if code else 'error'}: {detail}")

@@ -1,0 +1,137 @@
+"""A client of one remote sidecar's peer service: lookups, the stream of tier
+changes, opening a transfer on the data channel, replica pushes.
+
+Every call carries the group token and a deadline. Used by the sidecar's peer
+tier and by the router (which needs no store: this module imports none).
+Thread-safe: gRPC stubs are; ``transfers`` is a statistic.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tierstore.config import PeerConfig
+from tierstore.keys import BlockKey, KVLayout, pack_keys
+from tierstore.load import RateMeter
+from tierstore.v1 import peer_pb2, peer_pb2_grpc
+from tierstore.wire import layout_to_proto
+
+RECONNECT_OPTIONS = [  # a restarted peer is seen again within ~2 s (gRPC default: up to 120 s)
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    # gRPC also takes this as the shortest time a connection attempt is given:
+    # at 100 ms, a peer ~200 ms of round trip away could never be connected.
+    ("grpc.min_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+MAX_MESSAGE_BYTES = 4 << 20
+
+
+def client_ssl_context(cfg: PeerConfig) -> ssl.SSLContext | None:
+    if not cfg.tls_ca_file:
+        return None
+    ctx = ssl.create_default_context(cafile=cfg.tls_ca_file)
+    ctx.check_hostname = False  # peers are addressed by IP; the CA pins who they are
+    if cfg.tls_cert_file:
+        ctx.load_cert_chain(cfg.tls_cert_file, cfg.tls_key_file)
+    return ctx
+
+
+class PeerClient:
+    """One remote sidecar's peer service."""
+
+    def __init__(self, address: str, cfg: PeerConfig, token: str) -> None:
+        self.address = address
+        self.cfg = cfg
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *RECONNECT_OPTIONS,
+        ]
+        if cfg.tls_ca_file:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=Path(cfg.tls_ca_file).read_bytes(),
+                private_key=Path(cfg.tls_key_file).read_bytes() if cfg.tls_key_file else None,
+                certificate_chain=(
+                    Path(cfg.tls_cert_file).read_bytes() if cfg.tls_cert_file else None
+                ),
+            )
+            options.append(("grpc.ssl_target_name_override", "tierstore"))
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = peer_pb2_grpc.PeerServiceStub(self._channel)
+        self._ssl = client_ssl_context(cfg)
+        self.link = RateMeter()  # fed by the peer tier with large raw transfers only
+        self.transfers = 0
+
+    def lookup_future(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> Any:
+        req = peer_pb2.PeerKeysRequest(layout=layout_to_proto(layout), keys=pack_keys(keys))
+        return self._stub.Lookup.future(req, timeout=timeout_s, metadata=self._metadata)
+
+    def watch_blocks(self, epoch: int, from_seq: int) -> Any:
+        """The sidecar's stream of tier changes (a grpc call: iterate, ``cancel``)."""
+        req = peer_pb2.WatchBlocksRequest(epoch=epoch, from_seq=from_seq)
+        return self._stub.WatchBlocks(req, metadata=self._metadata)
+
+    def open_fetch(
+        self, layout: KVLayout, keys: Sequence[BlockKey], deadline: float, compress: bool
+    ) -> tuple[int, socket.socket | None]:
+        """Open a transfer of the prefix of ``keys`` the peer holds: the number
+        of blocks it will send and the data connection, ticket already sent
+        (None when it holds none). The caller reads the frames and closes it."""
+        req = peer_pb2.OpenFetchRequest(
+            layout=layout_to_proto(layout),
+            keys=pack_keys(keys),
+            compression=peer_pb2.COMPRESSION_ZSTD_BYTESPLIT
+            if compress
+            else peer_pb2.COMPRESSION_NONE,
+        )
+        reply = self._stub.OpenFetch(
+            req, timeout=max(deadline - time.monotonic(), 0.001), metadata=self._metadata
+        )
+        if reply.num_blocks == 0:
+            return 0, None
+        host, _, port = reply.data_address.rpartition(":")
+        conn = socket.create_connection(
+            (host, int(port)), timeout=max(deadline - time.monotonic(), 0.001)
+        )
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if reply.tls:
+                if self._ssl is None:
+                    raise OSError("the peer's data channel speaks TLS but no tls_ca_file is set")
+                conn = self._ssl.wrap_socket(conn)
+            conn.sendall(reply.ticket)
+        except BaseException:
+            conn.close()
+            raise
+        self.transfers += 1
+        return min(reply.num_blocks, len(keys)), conn
+
+    def replicate(
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        source: str,
+        session: str,
+        timeout_s: float,
+    ) -> peer_pb2.ReplicateReply:
+        req = peer_pb2.ReplicateRequest(
+            layout=layout_to_proto(layout),
+            keys=pack_keys(keys),
+            source=source,
+            session=session,
+            deadline_s=timeout_s,
+        )
+        return self._stub.Replicate(req, timeout=timeout_s + 1.0, metadata=self._metadata)
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,80 @@
+"""Prometheus metrics of a sidecar, read from the store's counters at scrape
+time (no per-operation cost on the hot paths).
+
+Runs in the sidecar: ``start_metrics_server`` serves ``/metrics`` from a
+background HTTP thread; the collector reads a stat snapshot per scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tierstore.errors import TierstoreError
+
+if TYPE_CHECKING:
+    from tierstore.sidecar.process import Sidecar
+
+TIER_GAUGES = ("capacity_bytes", "used_bytes", "num_blocks")
+TIER_COUNTERS = (
+    "hits",
+    "misses",
+    "bytes_in",
+    "bytes_out",
+    "evictions",
+    "verify_failures",
+    "write_failures",
+    "read_failures",
+)
+# Counters that go down too, and flags.
+GAUGE_COUNTERS = {"peer_watchers", "peer_tls", "replica_bytes"}
+
+
+class SidecarCollector(Collector):
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    def collect(self) -> Iterator[Any]:
+        reply = self.sidecar.servicer
+        from tierstore.sidecar.service import stat_reply  # avoid an import cycle at module load
+
+        stat = stat_reply(reply)
+        for name in TIER_GAUGES:
+            g = GaugeMetricFamily(f"tierstore_tier_{name}", f"Tier {name}", labels=["tier"])
+            for t in stat.tiers:
+                g.add_metric([t.name], getattr(t, name))
+            yield g
+        for name in TIER_COUNTERS:
+            c = CounterMetricFamily(f"tierstore_tier_{name}", f"Tier {name}", labels=["tier"])
+            for t in stat.tiers:
+                c.add_metric([t.name], getattr(t, name))
+            yield c
+        for name, value in sorted(stat.counters.items()):
+            if name in GAUGE_COUNTERS:
+                yield GaugeMetricFamily(f"tierstore_{name}", f"Store gauge {name}", value=value)
+            else:
+                yield CounterMetricFamily(f"tierstore_{name}", f"Store counter {name}", value=value)
+        yield GaugeMetricFamily(
+            "tierstore_clients", "Attached engine clients", value=len(stat.clients)
+        )
+        load = self.sidecar.loads.host()  # what the host's engines last reported
+        for name in ("busy_slots", "slots", "queue_len"):
+            yield GaugeMetricFamily(
+                f"tierstore_engine_{name}", f"Engines' reported {name}", value=getattr(load, name)
+            )
+
+
+def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> Any:
+    registry = CollectorRegistry()
+    registry.register(SidecarCollector(sidecar))
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise TierstoreError(
+            f"cannot serve metrics on {host}:{port}: {e}; set metrics_port to a free port or 0"
+        ) from e
+    return server

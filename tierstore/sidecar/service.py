@@ -1,0 +1,481 @@
+"""The local service (engine <-> sidecar): ``LocalServicer``.
+
+Provides the handlers of ``LocalService`` (attach, layouts, two-phase
+writes, lookup, acquire/release, prefetch, end of turn, load reports, stat)
+over one TieredStore, with per-client cleanup: a client whose Attach stream
+ends, by exit or crash, has its reservations and pins released. ``stat_reply``
+builds the StatReply that ``tierstore stat`` and the metrics endpoint read.
+The process around it is ``tierstore.sidecar``.
+
+Threads: gRPC's pool runs the handlers (one long-lived thread per attached
+client for its Attach stream, plus ``rpc_threads`` for unary calls); the
+store's demoter and the prefetch workers run beside them.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from tierstore import __version__
+from tierstore.config import Config
+from tierstore.errors import TierstoreError
+from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, unpack_keys
+from tierstore.sidecar.fastpath import FastLookupServer
+from tierstore.sidecar.loadboard import EngineLoad, LoadBoard
+from tierstore.sidecar.prefetch import BestEffort, Prefetcher, PrefetchPolicy, Timeout, WaitAll
+from tierstore.store.tiered import STORE_OWNER, TieredStore
+from tierstore.tiers import TIER_CODES, TierName
+from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
+from tierstore.wire import host_load_proto, layout_from_proto
+
+if TYPE_CHECKING:
+    from tierstore.peer.service import PeerServer
+    from tierstore.peer.tier import PeerTier
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tierstore.v1.LocalService"
+MAX_MESSAGE_BYTES = 4 << 20
+ENGINE_TIERS = (str(TierName.HBM),)  # tiers engines may report (ReportTiers), in display order
+U64_MAX = (1 << 64) - 1
+TIER_STAT_FIELDS = tuple(f for f in common_pb2.TierStat.DESCRIPTOR.fields_by_name if f != "name")
+
+
+class BadRequest(Exception):
+    """A request the servicer refuses; carries the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class ClientSession:
+    client_id: int
+    name: str
+    pid: int
+    connected_at: float
+
+
+def _handler(method: Any) -> Any:
+    """Turn BadRequest and tierstore's input errors into gRPC statuses."""
+
+    def wrapped(self: LocalServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except BadRequest as e:
+            self.count("bad_requests")
+            context.abort(e.code, str(e))
+        except (TierstoreError, ValueError) as e:
+            self.count("bad_requests")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    wrapped.__name__ = method.__name__
+    wrapped.__doc__ = method.__doc__
+    return wrapped
+
+
+class LocalServicer(local_pb2_grpc.LocalServiceServicer):
+    """The engine-facing service. Thread-safe: every handler may run at once."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        config: Config,
+        stopping: threading.Event,
+        peer_server: PeerServer | None = None,
+        loads: LoadBoard | None = None,
+    ) -> None:
+        self.store = store
+        self.loads = loads if loads is not None else LoadBoard(config.server.load_ttl_s)
+        self.peer_server = peer_server
+        self.peers: PeerTier | None = peer_server.tier if peer_server is not None else None
+        self.fast_lookup: FastLookupServer | None = None  # set by the Sidecar
+        self.cfg = config.server
+        self.config = config
+        self.prefetcher = Prefetcher(store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max)
+        self._stopping = stopping
+        self._clients: dict[int, ClientSession] = {}
+        self._lock = threading.Lock()
+        # Tiers that live in the engines (their HBM pools), as each client last
+        # reported them (ReportTiers); under _lock, dropped on detach.
+        self._engine_tiers: dict[int, list[common_pb2.TierStat]] = {}
+        self.counters: dict[str, int] = {
+            "bad_requests": 0,
+            "clients_attached": 0,
+            "clients_detached": 0,
+            "clients_refused": 0,
+            "leaked_reservations_released": 0,
+            "leaked_pins_released": 0,
+        }
+        self.started_at = time.time()
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0) + n
+
+    # -- sessions -----------------------------------------------------------------
+
+    def Attach(
+        self, request: local_pb2.AttachRequest, context: grpc.ServicerContext
+    ) -> Iterator[local_pb2.AttachEvent]:
+        with self._lock:
+            if len(self._clients) >= self.cfg.max_clients:
+                self.counters["clients_refused"] += 1
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{len(self._clients)} clients attached; max_clients is {self.cfg.max_clients}",
+                )
+            # Random, not sequential: another process on the socket cannot
+            # guess a live client's id to release or commit in its name.
+            client_id = secrets.randbits(62) + 1
+            while client_id in self._clients:
+                client_id = secrets.randbits(62) + 1
+            self._clients[client_id] = ClientSession(
+                client_id, request.client_name[:128], request.pid, time.time()
+            )
+            self.counters["clients_attached"] += 1
+        done = threading.Event()
+        try:
+            # False: the call already ended (cancelled at once), and the
+            # callback will never run: detach below instead.
+            if not context.add_callback(lambda: self._detach(client_id, done)):
+                return
+            yield local_pb2.AttachEvent(
+                client_id=client_id,
+                arena_path=str(self.store.arena.path),
+                arena_bytes=self.store.arena.size_bytes,
+                server_version=__version__,
+                max_batch_keys=self.cfg.max_batch_keys,
+            )
+            while not done.wait(self.cfg.keepalive_s) and not self._stopping.is_set():
+                if not context.is_active():
+                    return
+                yield local_pb2.AttachEvent()
+        finally:
+            self._detach(client_id, done)
+
+    def _detach(self, client_id: int, done: threading.Event) -> None:
+        done.set()
+        with self._lock:
+            if self._clients.pop(client_id, None) is None:
+                return
+            self.counters["clients_detached"] += 1
+            self._engine_tiers.pop(client_id, None)
+        self.loads.forget(client_id)
+        aborted, pins = self.store.release_owner(client_id)
+        self.count("leaked_reservations_released", aborted)
+        self.count("leaked_pins_released", pins)
+
+    def _release_if_detached(self, owner: int) -> None:
+        """A client that detached while this call ran: free what the call made
+        for it (detach removes the id before it releases, so between that
+        release and this check nothing of the call's is missed)."""
+        with self._lock:
+            if owner in self._clients:
+                return
+        aborted, pins = self.store.release_owner(owner)
+        self.count("leaked_reservations_released", aborted)
+        self.count("leaked_pins_released", pins)
+        raise BadRequest(grpc.StatusCode.FAILED_PRECONDITION, f"client {owner} detached")
+
+    def clients(self) -> list[ClientSession]:
+        with self._lock:
+            return list(self._clients.values())
+
+    # -- request checks -------------------------------------------------------------
+
+    def _owner(self, client_id: int) -> int:
+        with self._lock:
+            if client_id not in self._clients:
+                raise BadRequest(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"client id {client_id} is not attached; call Attach first",
+                )
+        return client_id
+
+    def _layout(self, layout_id: bytes) -> KVLayout:
+        if len(layout_id) != 32:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"layout_id must be 32 bytes, got {len(layout_id)}",
+            )
+        try:
+            return self.store.layout(layout_id)
+        except TierstoreError as e:
+            raise BadRequest(grpc.StatusCode.NOT_FOUND, str(e)) from e
+
+    def _keys(self, raw: bytes) -> list[BlockKey]:
+        if len(raw) % KEY_BYTES:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"keys field is {len(raw)} bytes, not a multiple of {KEY_BYTES}",
+            )
+        n = len(raw) // KEY_BYTES
+        if n > self.cfg.max_batch_keys:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{n} keys in one call; max_batch_keys is {self.cfg.max_batch_keys}",
+            )
+        return unpack_keys(raw)
+
+    def _request(self, request: Any, attached: bool = True) -> tuple[int, KVLayout, list[BlockKey]]:
+        owner = self._owner(request.client_id) if attached else STORE_OWNER
+        return owner, self._layout(request.layout_id), self._keys(request.keys)
+
+    # -- unary calls ----------------------------------------------------------------
+
+    @_handler
+    def RegisterLayout(
+        self, request: local_pb2.RegisterLayoutRequest, context: grpc.ServicerContext
+    ) -> local_pb2.RegisterLayoutReply:
+        if not request.HasField("layout"):
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "RegisterLayout needs a layout")
+        layout = layout_from_proto(request.layout)
+        self.store.register_layout(layout)
+        return local_pb2.RegisterLayoutReply(
+            layout_id=layout.fingerprint, block_bytes=layout.block_bytes
+        )
+
+    @_handler
+    def Reserve(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.ReserveReply:
+        owner, layout, keys = self._request(request)
+        res = self.store.reserve(layout, keys, owner)
+        self._release_if_detached(owner)
+        return local_pb2.ReserveReply(
+            statuses=bytes(int(r.status) for r in res), offsets=[r.offset for r in res]
+        )
+
+    @_handler
+    def Commit(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.FlagsReply:
+        owner, _, keys = self._request(request)
+        not_owned = self.store.dram.not_reserved_by(keys, owner)
+        if not_owned:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(not_owned)} of {len(keys)} keys are not reserved by client {owner} "
+                f"(first: {not_owned[0].hex()[:16]}...); nothing was committed",
+            )
+        flags = self.store.commit(keys, owner)
+        return local_pb2.FlagsReply(flags=bytes(flags))
+
+    @_handler
+    def Abort(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.CountReply:
+        owner, _, keys = self._request(request)
+        return local_pb2.CountReply(count=self.store.abort(keys, owner))
+
+    @_handler
+    def Lookup(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.LookupReply:
+        _, layout, keys = self._request(request, attached=False)
+        res = self.store.lookup(layout, keys)
+        tiers = bytes(TIER_CODES[t] for t in res.tiers)
+        if request.include_peers and self.peers is not None and res.num_hits < len(keys):
+            timeout_s = self._peer_deadline(request, self.config.peer.peer_lookup_timeout_s)
+            _, more = self.peers.lookup(layout, keys[res.num_hits :], timeout_s)
+            tiers += bytes([TIER_CODES[TierName.PEER]]) * more
+        return local_pb2.LookupReply(num_hits=len(tiers), tiers=tiers)
+
+    def _peer_deadline(self, request: Any, default_s: float) -> float:
+        if request.deadline_s < 0:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "deadline_s must be >= 0")
+        return min(request.deadline_s or default_s, self.config.peer.fetch_timeout_s)
+
+    @_handler
+    def Acquire(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.AcquireReply:
+        owner, layout, keys = self._request(request)
+        entries = self.store.acquire(layout, keys, owner)
+        if request.include_peers and self.peers is not None and len(entries) < len(keys):
+            # Pull on switch: the rest of the prefix from the peer that holds it.
+            timeout_s = self._peer_deadline(request, self.config.peer.fetch_timeout_s)
+            if self.peers.pull(layout, keys[len(entries) :], timeout_s):
+                entries += self.store.acquire(layout, keys[len(entries) :], owner)
+        self.store.adopt([e.key for e in entries])
+        self._release_if_detached(owner)
+        return local_pb2.AcquireReply(offsets=[e.offset for e in entries])
+
+    @_handler
+    def EndTurn(
+        self, request: local_pb2.EndTurnRequest, context: grpc.ServicerContext
+    ) -> local_pb2.EndTurnReply:
+        self._owner(request.client_id)
+        layout, keys = self._layout(request.layout_id), self._keys(request.keys)
+        if not request.session or len(request.session) > 256:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "session must be 1-256 characters")
+        self.store.adopt(keys)
+        if self.peers is None:
+            if request.replica_target:
+                raise BadRequest(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "replica_target is set but this sidecar has no peers (peer_port is 0)",
+                )
+            return local_pb2.EndTurnReply()
+        target = request.replica_target or self.peers.spill_target(request.session)
+        if request.replica_target and request.replica_target not in self.peers.clients:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replica_target {request.replica_target!r} is not a peer of this sidecar "
+                f"(peers: {', '.join(sorted(self.peers.clients)) or 'none'})",
+            )
+        push = self.peers.end_turn(
+            request.session, layout, keys, request.num_tokens, request.wait, target
+        )
+        reply = local_pb2.EndTurnReply(replica_target=target or "", replicating=push is not None)
+        if push is not None and push.reply is not None:
+            reply.pushed = push.reply.imported
+            reply.push_s = push.reply.import_s
+            reply.push_tail_s = push.reply.tail_s
+        return reply
+
+    @_handler
+    def ReportLoad(
+        self, request: local_pb2.ReportLoadRequest, context: grpc.ServicerContext
+    ) -> local_pb2.ReportLoadReply:
+        owner = self._owner(request.client_id)
+        load = EngineLoad(
+            request.busy_slots, request.slots, request.queue_len, request.wait_s,
+            request.prefill_tokens_per_s,
+        )  # fmt: skip
+        try:
+            self.loads.report(owner, load)
+        except ValueError as e:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        return local_pb2.ReportLoadReply(host=host_load_proto(self.loads.host()))
+
+    @_handler
+    def ReportTiers(
+        self, request: local_pb2.ReportTiersRequest, context: grpc.ServicerContext
+    ) -> local_pb2.ReportTiersReply:
+        owner = self._owner(request.client_id)
+        names = [t.name for t in request.tiers]
+        if any(n not in ENGINE_TIERS for n in names) or len(set(names)) != len(names):
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"engine tiers must be distinct names among {list(ENGINE_TIERS)}, got {names}",
+            )
+        with self._lock:
+            if owner in self._clients:  # not detached meanwhile
+                self._engine_tiers[owner] = list(request.tiers)
+        return local_pb2.ReportTiersReply()
+
+    def engine_tiers(self) -> list[common_pb2.TierStat]:
+        """The engines' tiers, each summed over the clients that reported it."""
+        with self._lock:
+            reports = [t for tiers in self._engine_tiers.values() for t in tiers]
+        summed: dict[str, common_pb2.TierStat] = {}
+        for t in reports:
+            total = summed.setdefault(t.name, common_pb2.TierStat(name=t.name))
+            for field in TIER_STAT_FIELDS:
+                # Saturating: a client's report of 2**64 - 1 must not break Stat.
+                setattr(total, field, min(getattr(total, field) + getattr(t, field), U64_MAX))
+        return [summed[name] for name in ENGINE_TIERS if name in summed]
+
+    @_handler
+    def Release(
+        self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
+    ) -> local_pb2.CountReply:
+        owner, _, keys = self._request(request)
+        return local_pb2.CountReply(count=self.store.release(keys, owner))
+
+    @_handler
+    def Prefetch(
+        self, request: local_pb2.PrefetchRequest, context: grpc.ServicerContext
+    ) -> local_pb2.PrefetchReply:
+        _, layout, keys = self._request(request)
+        if not 0 <= request.timeout_s <= self.cfg.prefetch_max_wait_s:
+            raise BadRequest(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"timeout_s must be in [0, {self.cfg.prefetch_max_wait_s}], "
+                f"got {request.timeout_s}",
+            )
+        policy = self._policy(request.policy, request.timeout_s)
+        outcome, job = self.prefetcher.run(layout, keys, policy)
+        return local_pb2.PrefetchReply(
+            outcome=local_pb2.PrefetchOutcome.Value(f"PREFETCH_{outcome.name}"),
+            ready_blocks=job.ready_blocks,
+            available_blocks=job.available_blocks,
+        )
+
+    def _policy(self, code: int, timeout_s: float) -> PrefetchPolicy:
+        if code == local_pb2.PREFETCH_BEST_EFFORT:
+            return BestEffort()
+        if code == local_pb2.PREFETCH_WAIT:
+            return WaitAll(self.cfg.prefetch_max_wait_s)
+        if code == local_pb2.PREFETCH_TIMEOUT:
+            return Timeout(
+                self.cfg.prefetch_timeout_base_s,
+                self.cfg.prefetch_timeout_per_1k_tokens_s,
+                fixed_s=timeout_s,
+            )
+        raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"unknown prefetch policy {code}")
+
+    @_handler
+    def Stat(
+        self, request: local_pb2.StatRequest, context: grpc.ServicerContext
+    ) -> local_pb2.StatReply:
+        return stat_reply(self)
+
+
+def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
+    stat = servicer.store.stat()
+    counters = dict(stat["store"])
+    counters.update(servicer.counters)
+    if servicer.fast_lookup is not None:
+        counters["fast_lookups"] = servicer.fast_lookup.lookups
+        counters["bad_requests"] += servicer.fast_lookup.bad_requests
+    if servicer.peer_server is not None:
+        counters.update(
+            {f"peer_{k}": v for k, v in vars(servicer.peer_server.tier.counters).items()}
+        )
+        counters.update(
+            {f"peer_{k}": v for k, v in vars(servicer.peer_server.data.counters).items()}
+        )
+        counters["replica_bytes"] = servicer.store.replica_bytes()
+        counters["peer_tls"] = int(servicer.peer_server.tls)
+    pf = servicer.prefetcher.counters
+    counters.update({f"prefetch_{k}": v for k, v in vars(pf).items()})
+    now = time.time()
+    return local_pb2.StatReply(
+        tiers=[
+            *servicer.engine_tiers(),
+            *(
+                common_pb2.TierStat(
+                    name=name, **{k: v for k, v in t.items() if k in TIER_STAT_FIELDS}
+                )
+                for name, t in stat["tiers"].items()
+            ),
+        ],
+        counters={k: int(v) for k, v in counters.items()},
+        clients=[
+            local_pb2.ClientInfo(
+                client_id=c.client_id,
+                name=c.name,
+                pid=c.pid,
+                connected_s=now - c.connected_at,
+                pins=servicer.store.dram.pin_count(c.client_id),
+            )
+            for c in servicer.clients()
+        ],
+        version=__version__,
+        uptime_s=now - servicer.started_at,
+        socket_path=servicer.cfg.socket_path,
+        nvme_dir=servicer.config.store.nvme_dir if servicer.store.nvme is not None else "",
+        load=host_load_proto(servicer.loads.host()),
+    )

@@ -1,0 +1,322 @@
+"""DRAM tier: blocks in slots of the shared-memory arena.
+
+Provides two-phase writes (``reserve`` then ``commit`` or ``abort``),
+reference-counted reads (``pin`` / ``unpin``), residency (``contains``) and
+eviction hand-off (``take_victim`` / ``drop``) for the tiered store's demoter.
+Every reservation and pin carries an *owner* (0 for the store itself, a
+connection id for engine clients) so that a client that dies leaks nothing
+(``release_owner``).
+
+Runs in the sidecar process (or any process that owns the store); every
+method is thread-safe behind one lock and does no I/O. Bytes are copied in
+and out by the caller through ``view``; the tier only tracks slots.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tierstore.keys import BlockKey
+from tierstore.memory.arena import Arena
+from tierstore.memory.slab import SlabAllocator
+from tierstore.policies import EvictionPolicy, LruPolicy
+from tierstore.tiers import TierName, TierStats
+
+if TYPE_CHECKING:
+    from tierstore.store.events import BlockEventLog
+
+
+class EntryState(enum.IntEnum):
+    RESERVED = 0  # slot allocated, bytes being written; invisible to readers
+    COMMITTED = 1  # readable
+    EVICTING = 2  # readable; handed to the demoter, leaves when its spill ends
+
+
+class ReserveStatus(enum.IntEnum):
+    OK = 0
+    EXISTS = 1  # already held or being written: nothing to do
+    FULL = 2  # no free slot of that size: evict, then retry
+
+
+@dataclass(slots=True)
+class DramEntry:
+    key: BlockKey
+    layout_fp: bytes
+    offset: int
+    nbytes: int
+    state: EntryState
+    owner: int
+    refs: int = 0
+    digest: bytes | None = None  # blake3 of the bytes, computed when first needed
+
+
+class DramTier:
+    """Block slots in an arena. See the module docstring for the contract."""
+
+    name = TierName.DRAM
+
+    def __init__(
+        self, arena: Arena, segment_bytes: int, policy: EvictionPolicy | None = None
+    ) -> None:
+        self.arena = arena
+        self.allocator = SlabAllocator(arena.size_bytes, segment_bytes)
+        self.policy: EvictionPolicy = policy if policy is not None else LruPolicy()
+        self._entries: dict[BlockKey, DramEntry] = {}
+        self._pins: dict[int, Counter[BlockKey]] = {}
+        self._lock = threading.Lock()
+        self._stats = TierStats(capacity_bytes=self.allocator.capacity_bytes)
+        self.events: BlockEventLog | None = None  # set by the store: tier changes for routers
+
+    # -- writes ---------------------------------------------------------------
+
+    def reserve(
+        self, key: BlockKey, layout_fp: bytes, nbytes: int, owner: int = 0
+    ) -> tuple[ReserveStatus, DramEntry | None]:
+        """Allocate a slot for ``key``. OK returns the RESERVED entry, whose
+        bytes only ``owner`` may write until ``commit`` or ``abort``."""
+        with self._lock:
+            if key in self._entries:
+                return ReserveStatus.EXISTS, self._entries[key]
+            offset = self.allocator.alloc(nbytes)
+            if offset is None:
+                return ReserveStatus.FULL, None
+            entry = DramEntry(key, layout_fp, offset, nbytes, EntryState.RESERVED, owner)
+            self._entries[key] = entry
+            return ReserveStatus.OK, entry
+
+    def commit(
+        self, keys: Iterable[BlockKey], owner: int = 0, pin_for: int | None = None
+    ) -> list[bool]:
+        """Make reserved blocks readable. False for a key this owner did not
+        reserve. With ``pin_for``, each committed block is also pinned for that
+        owner in the same step, so no eviction can come between."""
+        done = []
+        added: list[BlockKey] = []
+        with self._lock:
+            pins = self._pins.setdefault(pin_for, Counter()) if pin_for is not None else None
+            for key in keys:
+                entry = self._entries.get(key)
+                ok = (
+                    entry is not None
+                    and entry.state == EntryState.RESERVED
+                    and entry.owner == owner
+                )
+                if ok:
+                    assert entry is not None
+                    entry.state = EntryState.COMMITTED
+                    self.policy.insert(key)
+                    self._stats.bytes_in += entry.nbytes
+                    added.append(key)
+                    if pins is not None:
+                        entry.refs += 1
+                        pins[key] += 1
+                done.append(ok)
+            self._log(True, added)
+        return done
+
+    def abort(self, keys: Iterable[BlockKey], owner: int = 0) -> int:
+        """Free reservations of ``owner`` that were not committed."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if (
+                    entry is not None
+                    and entry.state == EntryState.RESERVED
+                    and entry.owner == owner
+                ):
+                    self._free(entry)
+                    n += 1
+        return n
+
+    # -- reads ----------------------------------------------------------------
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        with self._lock:
+            return [self._readable(self._entries.get(k)) for k in keys]
+
+    def held_keys(self) -> list[BlockKey]:
+        """Every readable key (for a snapshot of the tier)."""
+        with self._lock:
+            return [k for k, e in self._entries.items() if self._readable(e)]
+
+    def pin(self, keys: Sequence[BlockKey], owner: int = 0) -> list[DramEntry | None]:
+        """Pin each readable key (counted as a hit) or give None (a miss)."""
+        out: list[DramEntry | None] = []
+        with self._lock:
+            pins = self._pins.setdefault(owner, Counter())
+            for key in keys:
+                entry = self._entries.get(key)
+                if self._readable(entry):
+                    assert entry is not None
+                    entry.refs += 1
+                    pins[key] += 1
+                    self.policy.touch(key)
+                    self._stats.hits += 1
+                    self._stats.bytes_out += entry.nbytes
+                    out.append(entry)
+                else:
+                    self._stats.misses += 1
+                    out.append(None)
+        return out
+
+    def unpin(self, keys: Iterable[BlockKey], owner: int = 0) -> int:
+        """Drop one pin of ``owner`` per key; unknown pins are ignored (counted in the result)."""
+        n = 0
+        with self._lock:
+            pins = self._pins.get(owner)
+            if pins is None:
+                return 0
+            for key in keys:
+                if pins[key] <= 0:
+                    continue
+                pins[key] -= 1
+                if pins[key] == 0:
+                    del pins[key]
+                self._entries[key].refs -= 1
+                n += 1
+            if not pins and owner != 0:
+                del self._pins[owner]
+        return n
+
+    def not_reserved_by(self, keys: Sequence[BlockKey], owner: int) -> list[BlockKey]:
+        """The keys that are not RESERVED by ``owner`` (a commit would fail)."""
+        with self._lock:
+            return [
+                k
+                for k in keys
+                if (e := self._entries.get(k)) is None
+                or e.state != EntryState.RESERVED
+                or e.owner != owner
+            ]
+
+    def pin_count(self, owner: int) -> int:
+        with self._lock:
+            return sum(self._pins.get(owner, Counter()).values())
+
+    def view(self, entry: DramEntry) -> memoryview:
+        return self.arena.view(entry.offset, entry.nbytes)
+
+    def entry(self, key: BlockKey) -> DramEntry | None:
+        with self._lock:
+            return self._entries.get(key)
+
+    # -- eviction -------------------------------------------------------------
+
+    def take_victim(self) -> DramEntry | None:
+        """Hand the next eviction victim to the demoter: it stays readable
+        (state EVICTING) until ``drop``; None if nothing can be evicted."""
+        with self._lock:
+            key = self.policy.evict(self._evictable)
+            if key is None:
+                return None
+            entry = self._entries[key]
+            entry.state = EntryState.EVICTING
+            return entry
+
+    def take(self, keys: Sequence[BlockKey]) -> list[DramEntry]:
+        """Like ``take_victim`` for chosen keys (committed and unpinned ones)."""
+        out = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and self._evictable(key):
+                    self.policy.remove(key)
+                    entry.state = EntryState.EVICTING
+                    out.append(entry)
+        return out
+
+    def untake(self, entry: DramEntry) -> None:
+        """Give back a victim that will not be evicted after all."""
+        with self._lock:
+            if self._entries.get(entry.key) is entry and entry.state == EntryState.EVICTING:
+                entry.state = EntryState.COMMITTED
+                self.policy.insert(entry.key)
+
+    def drop(self, entry: DramEntry) -> bool:
+        """End an eviction: free the slot unless a reader pinned it meanwhile,
+        in which case the block stays (back in the policy) and False is returned."""
+        with self._lock:
+            if self._entries.get(entry.key) is not entry or entry.state != EntryState.EVICTING:
+                return False
+            if entry.refs > 0:
+                entry.state = EntryState.COMMITTED
+                self.policy.insert(entry.key)
+                return False
+            self._free(entry)
+            self._stats.evictions += 1
+            self._log(False, [entry.key])
+            return True
+
+    def remove(self, keys: Sequence[BlockKey]) -> int:
+        """Drop committed, unpinned blocks now (no spill)."""
+        gone = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.state == EntryState.COMMITTED and entry.refs == 0:
+                    self.policy.remove(key)
+                    self._free(entry)
+                    gone.append(key)
+            self._log(False, gone)
+        return len(gone)
+
+    def release_owner(self, owner: int) -> tuple[int, int]:
+        """Abort every reservation and drop every pin of a dead owner.
+        Returns (reservations aborted, pins dropped)."""
+        with self._lock:
+            aborted = 0
+            for entry in [e for e in self._entries.values() if e.owner == owner]:
+                if entry.state == EntryState.RESERVED:
+                    self._free(entry)
+                    aborted += 1
+            pins = self._pins.pop(owner, Counter())
+            for key, count in pins.items():
+                self._entries[key].refs -= count
+            return aborted, sum(pins.values())
+
+    # -- accounting -----------------------------------------------------------
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self.allocator.used_bytes
+
+    def can_fit(self, nbytes: int) -> bool:
+        with self._lock:
+            return self.allocator.can_alloc(nbytes)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            snap = self._stats.snapshot()
+            snap.used_bytes = self.allocator.used_bytes
+            snap.num_blocks = sum(1 for e in self._entries.values() if self._readable(e))
+            return snap
+
+    def close(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._pins.clear()
+
+    # -- internals (lock held) --------------------------------------------------
+
+    @staticmethod
+    def _readable(entry: DramEntry | None) -> bool:
+        return entry is not None and entry.state != EntryState.RESERVED
+
+    def _evictable(self, key: BlockKey) -> bool:
+        entry = self._entries[key]
+        return entry.state == EntryState.COMMITTED and entry.refs == 0
+
+    def _log(self, added: bool, keys: list[BlockKey]) -> None:
+        """Record a change of what this tier holds (in the order of the changes)."""
+        if self.events is not None and keys:
+            self.events.record(added, TierName.DRAM, keys)
+
+    def _free(self, entry: DramEntry) -> None:
+        del self._entries[entry.key]
+        self.allocator.free(entry.offset)

@@ -1,0 +1,193 @@
+"""Moving blocks up: NVMe -> DRAM promotion for ``TieredStore.acquire``.
+
+Provides ``Promoter.promote_missing``, which reads every block of a request
+that is not in DRAM from NVMe into a fresh DRAM slot and pins it for the
+caller, with up to ``nvme_read_depth`` reads in flight. One NVMe read at a
+time leaves the disk idle while the block just read is verified (blake3 over
+2 MiB is about as long as reading it); a few in flight keep the disk busy
+and the verify of one block overlaps the reads of the next.
+
+Threads: called from any caller thread of the store; the reads run on a
+small pool of "tierstore-promote" threads started on first use. Promotions
+of the same key are coalesced: one thread reads, the others wait for it,
+bounded by ``promote_wait_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tierstore.keys import BlockKey, KVLayout
+from tierstore.store.dram import DramEntry, ReserveStatus
+
+if TYPE_CHECKING:
+    from tierstore.store.tiered import TieredStore
+
+STORE_OWNER = 0  # owner id of reservations and pins made by the store itself
+
+
+@dataclass(slots=True)
+class _Promotion:
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class Promoter:
+    """Promotion from the store's NVMe tier into its DRAM tier; owned by one
+    ``TieredStore`` and closed with it."""
+
+    def __init__(self, store: TieredStore, read_depth: int) -> None:
+        self._store = store
+        self._read_depth = read_depth
+        self._running: dict[BlockKey, _Promotion] = {}
+        self._lock = threading.Lock()
+        self._pool: futures.ThreadPoolExecutor | None = None
+        self._closed = False
+
+    def promote_missing(
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        pinned: list[DramEntry | None],
+        owner: int,
+    ) -> None:
+        """Fill the ``None`` entries of ``pinned`` (one per key) by promotion,
+        in key order, stopping at the first block that cannot be promoted.
+
+        Promotions that finished beyond that gap are stored in ``pinned``
+        too: the caller unpins everything after the prefix it keeps. If a
+        read raises, the reads in flight are waited for and stored first,
+        then the error propagates.
+        """
+        missing = [i for i, entry in enumerate(pinned) if entry is None]
+        if not missing or self._store.nvme is None:
+            return
+        if len(missing) == 1 or self._read_depth <= 1:
+            for i in missing:
+                pinned[i] = self.promote(layout, keys[i], owner, in_parallel=False)
+                if pinned[i] is None:
+                    return
+            return
+        self._promote_windowed(layout, keys, pinned, owner, missing)
+
+    def _promote_windowed(
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        pinned: list[DramEntry | None],
+        owner: int,
+        missing: list[int],
+    ) -> None:
+        pool = self._reader_pool()
+        waiting = iter(missing)
+        in_flight: deque[tuple[int, futures.Future[DramEntry | None]]] = deque()
+
+        def submit_next() -> None:
+            i = next(waiting, None)
+            if i is not None:
+                in_flight.append((i, pool.submit(self.promote, layout, keys[i], owner, True)))
+
+        for _ in range(self._read_depth):
+            submit_next()
+        try:
+            while in_flight:
+                i, done = in_flight.popleft()
+                pinned[i] = done.result()
+                if pinned[i] is None:
+                    return
+                submit_next()
+        finally:
+            # Past a gap or an error: let the reads in flight land, so that
+            # their pins are the caller's to drop and no slot is half written.
+            for i, running in in_flight:
+                try:
+                    pinned[i] = running.result()
+                except Exception:  # the first error is the one that propagates
+                    pinned[i] = None
+
+    def promote(
+        self, layout: KVLayout, key: BlockKey, owner: int, in_parallel: bool = False
+    ) -> DramEntry | None:
+        """Read ``key`` from NVMe into a DRAM slot and pin it for ``owner``;
+        None if it is not on NVMe (under this layout) or the read failed.
+        ``in_parallel``: other reads are in flight (see ``NvmeTier.read_into``)."""
+        with self._lock:
+            running = self._running.get(key)
+            if running is None:
+                self._running[key] = _Promotion()
+        if running is not None:
+            running.done.wait(self._store.config.promote_wait_s)
+            return self._pin_matching(key, layout.fingerprint, owner)
+        try:
+            return self._promote_now(layout, key, owner, in_parallel)
+        finally:
+            with self._lock:
+                self._running.pop(key).done.set()
+
+    def _pin_matching(self, key: BlockKey, layout_fp: bytes, owner: int) -> DramEntry | None:
+        dram = self._store.dram
+        entry = dram.pin([key], owner)[0]
+        if entry is not None and entry.layout_fp != layout_fp:
+            dram.unpin([key], owner)
+            return None
+        return entry
+
+    def _promote_now(
+        self, layout: KVLayout, key: BlockKey, owner: int, in_parallel: bool
+    ) -> DramEntry | None:
+        store = self._store
+        nvme, dram = store.nvme, store.dram
+        if nvme is None:
+            return None
+        meta = nvme.meta(key)
+        nbytes = layout.block_bytes
+        if meta is None or meta.nbytes != nbytes or meta.layout_fp != layout.fingerprint:
+            return None  # absent, or stored under another layout: a miss
+        status, entry = dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
+        if status == ReserveStatus.FULL and store.make_room(nbytes):
+            status, entry = dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
+        if status == ReserveStatus.EXISTS:
+            return self._pin_matching(key, layout.fingerprint, owner)
+        if status != ReserveStatus.OK or entry is None:
+            store.count("promotion_failures")
+            return None
+        slot = store.arena.view(entry.offset, dram.allocator.slot_bytes(nbytes))
+        try:
+            got = nvme.read_into(key, slot, in_parallel=in_parallel)
+        except BaseException:
+            dram.abort([key], STORE_OWNER)
+            raise
+        after = nvme.meta(key)
+        if after is not None and meta.digest == after.digest:
+            # The read verified the bytes against this digest: peers need not hash again.
+            entry.digest = meta.digest
+        if got != nbytes:
+            dram.abort([key], STORE_OWNER)
+            store.count("promotion_failures")
+            return None
+        dram.commit([key], STORE_OWNER, pin_for=owner)
+        store.count("promotions")
+        store.maybe_wake_demoter()
+        return entry
+
+    def _reader_pool(self) -> futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the store is closed")
+            if self._pool is None:
+                self._pool = futures.ThreadPoolExecutor(
+                    self._read_depth, thread_name_prefix="tierstore-promote"
+                )
+            return self._pool
+
+    def close(self) -> None:
+        """Wait for the reads in flight and stop the pool. Idempotent."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

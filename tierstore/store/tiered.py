@@ -1,0 +1,528 @@
+"""TieredStore: the DRAM tier over the NVMe tier, the only module that knows
+more than one tier.
+
+Provides batched two-phase writes (``reserve`` / ``commit`` / ``abort``, or
+``put``), prefix ``lookup`` across tiers, ``acquire`` / ``release`` (promote
+to DRAM on hit and pin), forced ``demote`` and ``drop``, ``stat``.
+
+Threads: any number of caller threads; one background *demoter* thread that
+spills least-valuable DRAM blocks to NVMe once DRAM usage passes the high
+watermark, until it is under the low one. A caller that finds DRAM full
+evicts synchronously. Eviction is serialised by one lock; promotion from
+NVMe (several reads in flight, same-key promotions coalesced) is
+``tierstore.store.promoter``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tierstore.config import StoreConfig
+from tierstore.errors import BlockSizeError, LayoutError
+from tierstore.keys import BlockKey, KVLayout, check_keys
+from tierstore.memory.arena import Arena
+from tierstore.memory.memcopy import copy_into
+from tierstore.policies import make_admission_policy, make_eviction_policy
+from tierstore.ratelog import RateLimitedLog
+from tierstore.store.dram import DramEntry, DramTier, ReserveStatus
+from tierstore.store.events import BlockEventLog
+from tierstore.store.nvme import NvmeTier, block_digest
+from tierstore.store.promoter import STORE_OWNER, Promoter
+from tierstore.store.replicas import ReplicaLedger
+from tierstore.tiers import TierName, TierStats
+
+log = logging.getLogger(__name__)
+_faults = RateLimitedLog(log)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Outcome of reserving one key: OK with the arena offset to write to,
+    EXISTS (the store already holds it: skip the copy), or FULL."""
+
+    key: BlockKey
+    status: ReserveStatus
+    offset: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest contiguous prefix of the asked keys that is available,
+    and the fastest tier holding each of its blocks."""
+
+    num_hits: int
+    tiers: tuple[TierName, ...]
+
+
+@dataclass(slots=True)
+class StoreCounters:
+    lookups: int = 0
+    lookup_keys: int = 0
+    lookup_hit_keys: int = 0
+    promotions: int = 0
+    promotion_failures: int = 0
+    spilled_blocks: int = 0
+    spill_skipped_admission: int = 0
+    spill_failures: int = 0
+    dropped_blocks: int = 0
+
+
+class TieredStore:
+    """DRAM over NVMe. See the module docstring."""
+
+    def __init__(self, config: StoreConfig, *, arena: Arena | None = None) -> None:
+        self.config = config
+        self.arena = arena if arena is not None else Arena.create(config.dram_bytes, config.shm_dir)
+        try:
+            # A tier smaller than one segment is one segment (small test and demo stores).
+            self.dram = DramTier(
+                self.arena,
+                min(config.dram_segment_bytes, self.arena.size_bytes),
+                make_eviction_policy(config.eviction_policy),
+            )
+            self.nvme: NvmeTier | None = None
+            if config.nvme_bytes > 0:
+                self.nvme = NvmeTier(
+                    config.nvme_dir,
+                    config.nvme_bytes,
+                    segment_bytes=min(config.nvme_segment_bytes, config.nvme_bytes // 4096 * 4096),
+                    policy=make_eviction_policy(config.eviction_policy),
+                    direct_io=config.nvme_direct_io,
+                )
+        except BaseException:
+            if arena is None:
+                self.arena.close()
+            raise
+        # Tier changes in order, for routers (PeerService.WatchBlocks).
+        self.events = BlockEventLog(config.event_log_keys)
+        self.dram.events = self.events
+        if self.nvme is not None:
+            self.nvme.events = self.events
+        self._admission = make_admission_policy(config.nvme_admission)
+        self._admission_lock = threading.Lock()
+        self._layouts: dict[bytes, KVLayout] = {}
+        self._layouts_lock = threading.Lock()
+        self.counters = StoreCounters()  # written under _evict_lock or _counters_lock
+        self._counters_lock = threading.Lock()
+        self._evict_lock = threading.Lock()
+        self.promoter = Promoter(self, config.nvme_read_depth)
+        # Blocks imported for other hosts (kv_share): evicted before the
+        # host's own blocks and bounded by a budget.
+        self.replicas = ReplicaLedger()
+        if self.nvme is not None:
+            self.nvme.evict_first = self.replicas.oldest  # and on NVMe too
+        self._high_bytes = int(config.dram_high_watermark * self.dram.allocator.capacity_bytes)
+        self._low_bytes = int(config.dram_low_watermark * self.dram.allocator.capacity_bytes)
+        self._wake = threading.Condition()
+        self._closing = False
+        self._demoter = threading.Thread(
+            target=self._demote_loop, name="tierstore-demoter", daemon=True
+        )
+        self._demoter.start()
+
+    # -- layouts ----------------------------------------------------------------
+
+    def _check_fits(self, layout: KVLayout) -> None:
+        capacity = self.dram.allocator.capacity_bytes
+        if layout.block_bytes > capacity:
+            raise BlockSizeError(
+                f"a block of layout {layout.model!r} is {layout.block_bytes} bytes; "
+                f"the DRAM arena holds {capacity}"
+            )
+
+    def register_layout(self, layout: KVLayout) -> bytes:
+        with self._layouts_lock:
+            self._layouts.setdefault(layout.fingerprint, layout)
+        return layout.fingerprint
+
+    def layout(self, fingerprint: bytes) -> KVLayout:
+        """The registered layout with this fingerprint, or LayoutError."""
+        with self._layouts_lock:
+            layout = self._layouts.get(bytes(fingerprint))
+        if layout is None:
+            raise LayoutError(
+                f"unknown layout fingerprint {bytes(fingerprint).hex()[:16]}...; register it first"
+            )
+        return layout
+
+    def layouts(self) -> list[KVLayout]:
+        with self._layouts_lock:
+            return list(self._layouts.values())
+
+    # -- writes -------------------------------------------------------------------
+
+    def reserve(
+        self, layout: KVLayout, keys: Sequence[BlockKey], owner: int = STORE_OWNER
+    ) -> list[Reservation]:
+        """Reserve an arena slot per key. The caller writes ``layout.block_bytes``
+        at each OK offset, then ``commit``s (or ``abort``s) with the same owner."""
+        keys = check_keys(keys)
+        fp = self.register_layout(layout)
+        nbytes = layout.block_bytes
+        self._check_fits(layout)
+        on_nvme = self.nvme.contains(keys) if self.nvme is not None else [False] * len(keys)
+        out = []
+        for key, elsewhere in zip(keys, on_nvme):
+            if elsewhere:
+                out.append(Reservation(key, ReserveStatus.EXISTS))
+                continue
+            status, entry = self.dram.reserve(key, fp, nbytes, owner)
+            if status == ReserveStatus.FULL and self.make_room(nbytes):
+                status, entry = self.dram.reserve(key, fp, nbytes, owner)
+            if (
+                status == ReserveStatus.FULL
+                and self.nvme is not None
+                and self.nvme.contains([key])[0]
+            ):
+                # Spilled meanwhile, by this batch's own reservations: still held.
+                status = ReserveStatus.EXISTS
+            offset = entry.offset if status == ReserveStatus.OK and entry is not None else -1
+            out.append(Reservation(key, status, offset))
+        return out
+
+    def commit(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> list[bool]:
+        done = self.dram.commit(check_keys(keys), owner)
+        self.maybe_wake_demoter()
+        return done
+
+    def abort(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> int:
+        return self.dram.abort(check_keys(keys), owner)
+
+    def put(
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        blocks: Any,
+    ) -> list[bool]:
+        """Store blocks given as one buffer of ``len(keys) * block_bytes`` bytes
+        or as one buffer per key. Returns whether each key is held afterwards."""
+        keys = check_keys(keys)
+        views = _split_blocks(layout, keys, blocks)
+        held = []
+        reservations = self.reserve(layout, keys)
+        for res, view in zip(reservations, views):
+            if res.status == ReserveStatus.OK:
+                copy_into(self.arena.view(res.offset, len(view)), view)
+        self.commit([r.key for r in reservations if r.status == ReserveStatus.OK])
+        for res in reservations:
+            held.append(res.status != ReserveStatus.FULL)
+        return held
+
+    # -- reads --------------------------------------------------------------------
+
+    def lookup(self, layout: KVLayout, keys: Sequence[BlockKey]) -> LookupResult:
+        """Longest available prefix of ``keys`` and the tier of each block.
+        Asks each tier now; nothing is remembered from earlier answers."""
+        keys = check_keys(keys)
+        self.register_layout(layout)
+        in_dram = self.dram.contains(keys)
+        first_miss = in_dram.index(False) if False in in_dram else len(keys)
+        tiers = [TierName.DRAM] * first_miss
+        if first_miss < len(keys) and self.nvme is not None:
+            for held_dram, held_nvme in zip(
+                in_dram[first_miss:], self.nvme.contains(keys[first_miss:])
+            ):
+                if held_dram:
+                    tiers.append(TierName.DRAM)
+                elif held_nvme:
+                    tiers.append(TierName.NVME)
+                else:
+                    break
+        with self._counters_lock:
+            self.counters.lookups += 1
+            self.counters.lookup_keys += len(keys)
+            self.counters.lookup_hit_keys += len(tiers)
+        return LookupResult(len(tiers), tuple(tiers))
+
+    def acquire(
+        self, layout: KVLayout, keys: Sequence[BlockKey], owner: int = STORE_OWNER
+    ) -> list[DramEntry]:
+        """Pin the longest available prefix of ``keys`` in DRAM, promoting
+        blocks from NVMe as needed (several reads in flight, see
+        ``tierstore.store.promoter``). The caller reads each entry's bytes via
+        ``view`` and must ``release`` the returned keys with the same owner."""
+        keys = check_keys(keys)
+        fp = self.register_layout(layout)
+        pinned = self.dram.pin(keys, owner)
+        result: list[DramEntry] = []
+        try:
+            for i, (key, entry) in enumerate(zip(keys, pinned)):
+                if entry is not None and entry.layout_fp != fp:
+                    # Stored under another layout (keys embed the layout, so
+                    # only a confused caller gets here): a miss, never a read
+                    # of the wrong size.
+                    self.dram.unpin([key], owner)
+                    pinned[i] = None
+            self.promoter.promote_missing(layout, keys, pinned, owner)
+            for entry in pinned:
+                if entry is None:
+                    break
+                result.append(entry)
+        finally:
+            # Everything pinned past the prefix kept (all of it on an error).
+            rest = [k for k, e in zip(keys[len(result) :], pinned[len(result) :]) if e]
+            self.dram.unpin(rest, owner)
+        return result
+
+    def release(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> int:
+        return self.dram.unpin(keys, owner)
+
+    def view(self, entry: DramEntry) -> memoryview:
+        return self.dram.view(entry)
+
+    def get(self, layout: KVLayout, keys: Sequence[BlockKey]) -> list[bytes]:
+        """Copies of the longest available prefix of blocks (tests, tools)."""
+        entries = self.acquire(layout, keys)
+        try:
+            return [bytes(self.dram.view(e)) for e in entries]
+        finally:
+            self.release([e.key for e in entries])
+
+    def release_owner(self, owner: int) -> tuple[int, int]:
+        """Free everything a dead client held: (reservations aborted, pins dropped)."""
+        return self.dram.release_owner(owner)
+
+    def digest(self, entry: DramEntry) -> bytes:
+        """blake3 of a pinned block's bytes, computed once and kept with the entry."""
+        if entry.digest is None:
+            entry.digest = block_digest(self.dram.view(entry))
+        return entry.digest
+
+    # -- replicas (kv_share) ---------------------------------------------------------
+
+    def adopt(self, keys: Sequence[BlockKey]) -> None:
+        """Blocks a local engine used are this host's own now, not replicas."""
+        if self.replicas:
+            self.replicas.discard(keys)
+
+    def replica_bytes(self) -> int:
+        """Bytes of replicas still held in some tier (asked of the tiers)."""
+        self._prune_replicas()
+        return self.replicas.used_bytes()
+
+    def make_replica_room(self, nbytes: int, budget_bytes: int) -> bool:
+        """Promise ``nbytes`` of replica room within the budget, dropping the
+        oldest replicas as needed; settle it with ``finish_replica_import``."""
+        if nbytes > budget_bytes:
+            return False
+        self._prune_replicas()
+        for key in self.replicas.oldest():
+            if self.replicas.reserve(nbytes, budget_bytes):
+                return True
+            self.drop([key])
+            if not self._held([key])[0]:  # a pinned replica stays, and stays counted
+                self.replicas.discard([key])
+        return self.replicas.reserve(nbytes, budget_bytes)
+
+    def finish_replica_import(
+        self, reserved_bytes: int, layout: KVLayout, keys: Sequence[BlockKey]
+    ) -> None:
+        self.replicas.settle(reserved_bytes, keys, layout.block_bytes)
+
+    def _held(self, keys: Sequence[BlockKey]) -> list[bool]:
+        held = self.dram.contains(keys)
+        if self.nvme is not None:
+            held = [a or b for a, b in zip(held, self.nvme.contains(keys))]
+        return held
+
+    def _prune_replicas(self) -> None:
+        keys = self.replicas.oldest()
+        if keys:
+            self.replicas.discard([k for k, h in zip(keys, self._held(keys)) if not h])
+
+    # -- moving blocks down -------------------------------------------------------
+
+    def demote(self, keys: Sequence[BlockKey]) -> int:
+        """Move committed, unpinned blocks out of DRAM now (spilled to NVMe
+        when admitted). Returns how many left DRAM."""
+        with self._evict_lock:
+            return self._spill(self.dram.take(check_keys(keys)))
+
+    def drop(
+        self, keys: Sequence[BlockKey], tiers: Sequence[TierName] = (TierName.DRAM, TierName.NVME)
+    ) -> int:
+        """Remove blocks from the given tiers without spilling (unpinned ones)."""
+        keys = check_keys(keys)
+        n = 0
+        if TierName.DRAM in tiers:
+            n += self.dram.remove(keys)
+        if TierName.NVME in tiers and self.nvme is not None:
+            n += self.nvme.remove(keys)
+        return n
+
+    def count(self, counter: str, n: int = 1) -> None:
+        """Add ``n`` to one of ``counters`` (thread-safe)."""
+        with self._counters_lock:
+            setattr(self.counters, counter, getattr(self.counters, counter) + n)
+
+    def make_room(self, nbytes: int) -> bool:
+        """Evict synchronously until a slot of ``nbytes`` fits. False if it cannot."""
+        if nbytes > self.dram.allocator.capacity_bytes:
+            return False  # would never fit: evict nothing
+        with self._evict_lock:
+            while not self.dram.can_fit(nbytes):
+                victims = self._take_victims(nbytes)
+                if not victims:
+                    return False
+                self._spill(victims)
+            return True
+
+    def _take_victims(self, want_bytes: int) -> list[DramEntry]:
+        victims: list[DramEntry] = []
+        freed = 0
+        if self.replicas:  # other hosts' replicas leave DRAM before our own blocks
+            for victim in self.dram.take(self.replicas.oldest(self.config.demote_batch_blocks)):
+                if freed >= want_bytes:
+                    self.dram.untake(victim)
+                    continue
+                victims.append(victim)
+                freed += victim.nbytes
+        while freed < want_bytes and len(victims) < self.config.demote_batch_blocks:
+            taken = self.dram.take_victim()
+            if taken is None:
+                break
+            victims.append(taken)
+            freed += taken.nbytes
+        return victims
+
+    def _spill(self, victims: list[DramEntry]) -> int:
+        """Write victims to NVMe (unless already there or not admitted), then
+        free their DRAM slots. Caller holds ``_evict_lock``."""
+        if not victims:
+            return 0
+        if self.nvme is not None:
+            held = self.nvme.contains([v.key for v in victims])
+            to_write = []
+            with self._admission_lock:
+                for victim, present in zip(victims, held):
+                    if present:
+                        continue
+                    if self._admission.admit(victim.key):
+                        to_write.append(victim)
+                    else:
+                        self.counters.spill_skipped_admission += 1
+            if to_write:
+                ok = self.nvme.write_many(
+                    [(v.key, v.layout_fp, self.dram.view(v)) for v in to_write],
+                    digests=[v.digest for v in to_write],
+                )
+                written = sum(ok)
+                self.counters.spilled_blocks += written
+                self.counters.spill_failures += len(ok) - written
+                if written < len(ok):
+                    _faults.warning(
+                        "spill",
+                        "spill to NVMe failed for %d of %d blocks (dropped from DRAM: "
+                        "misses later); see the NVMe tier's write failures",
+                        len(ok) - written,
+                        len(ok),
+                    )
+        dropped = 0
+        for victim in victims:
+            dropped += self.dram.drop(victim)
+        self.counters.dropped_blocks += dropped
+        return dropped
+
+    def maybe_wake_demoter(self) -> None:
+        if self.dram.used_bytes() > self._high_bytes:
+            with self._wake:
+                self._wake.notify()
+
+    def _demote_loop(self) -> None:
+        while True:
+            with self._wake:
+                if self._closing:
+                    return
+                if self.dram.used_bytes() <= self._high_bytes:
+                    self._wake.wait(timeout=1.0)
+                if self._closing:
+                    return
+            while self.dram.used_bytes() > self._low_bytes and not self._closing:
+                with self._evict_lock:
+                    victims = self._take_victims(self.dram.used_bytes() - self._low_bytes)
+                    if not victims:
+                        break
+                    self._spill(victims)
+
+    # -- inspection -------------------------------------------------------------------
+
+    def snapshot(self) -> tuple[int, dict[TierName, list[BlockKey]]]:
+        """What each tier holds, and the event batch number it is current to
+        at least: replaying the batches after that number on top is exact
+        (see ``tierstore.store.events``)."""
+        seq = self.events.seq  # read first: later changes are replayed, never lost
+        held = {TierName.DRAM: self.dram.held_keys()}
+        if self.nvme is not None:
+            held[TierName.NVME] = self.nvme.held_keys()
+        return seq, held
+
+    def stat(self) -> dict[str, Any]:
+        tiers: dict[str, TierStats] = {str(TierName.DRAM): self.dram.stats()}
+        if self.nvme is not None:
+            tiers[str(TierName.NVME)] = self.nvme.stats()
+        return {
+            "tiers": {name: s.to_dict() for name, s in tiers.items()},
+            "store": {
+                name: getattr(self.counters, name) for name in self.counters.__dataclass_fields__
+            },
+            "layouts": len(self._layouts),
+        }
+
+    def close(self) -> None:
+        """Stop the demoter, close NVMe (index flushed) and the arena. Idempotent."""
+        with self._wake:
+            if self._closing:
+                return
+            self._closing = True
+            self._wake.notify_all()
+        self._demoter.join(timeout=30)
+        self.promoter.close()
+        with self._evict_lock:
+            if self.nvme is not None:
+                self.nvme.close()
+            self.dram.close()
+            self.arena.close()
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def as_byte_view(obj: Any) -> memoryview:
+    """A flat, zero-copy byte view of a buffer, numpy array or CPU torch tensor."""
+    if type(obj).__module__.startswith("torch"):
+        import torch  # only when a tensor is passed: the store itself needs no torch
+
+        obj = obj.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    view = memoryview(obj)
+    if not view.c_contiguous:
+        raise BlockSizeError("block buffers must be contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _split_blocks(layout: KVLayout, keys: Sequence[BlockKey], blocks: Any) -> list[memoryview]:
+    """Per-key views of ``blocks``; raises BlockSizeError before anything is stored."""
+    size = layout.block_bytes
+    if isinstance(blocks, list | tuple):
+        if len(blocks) != len(keys):
+            raise BlockSizeError(f"{len(blocks)} blocks given for {len(keys)} keys")
+        views = [as_byte_view(b) for b in blocks]
+        for i, v in enumerate(views):
+            if v.nbytes != size:
+                raise BlockSizeError(
+                    f"block {i} has {v.nbytes} bytes; layout {layout.model!r} needs {size}"
+                )
+        return views
+    view = as_byte_view(blocks)
+    if view.nbytes != size * len(keys):
+        raise BlockSizeError(
+            f"{view.nbytes} bytes given for {len(keys)} blocks of {size} bytes "
+            f"(layout {layout.model!r}); expected {size * len(keys)}"
+        )
+    return [view[i * size : (i + 1) * size] for i in range(len(keys))]
