@@ -9,7 +9,11 @@ import struct
 import numpy as np
 import pytest
 import torch
-from tierstore.fastpath import (
+
+from tierstore.client import StoreClient
+from tierstore.client.fastpath import FastLookupClient
+from tierstore.errors import LayoutError
+from tierstore.fastwire import (
     LOOKUP_REP,
     LOOKUP_REQ,
     MAGIC_REP,
@@ -17,12 +21,8 @@ from tierstore.fastpath import (
     STATUS_BAD_REQUEST,
     STATUS_OK,
     STATUS_UNKNOWN_LAYOUT,
-    FastLookupClient,
     fast_socket_path,
 )
-
-from tierstore.client import StoreClient
-from tierstore.errors import LayoutError
 from tierstore.keys import chain_keys
 from tierstore.tiers import TierName
 
