@@ -58,6 +58,7 @@ class StoreConfig:
     nvme_admission: str = "always"  # always | seen_twice: which evicted blocks are spilled
     demote_batch_blocks: int = 32  # blocks spilled per NVMe write batch (one fsync)
     promote_wait_s: float = 10.0  # longest wait for another thread's promotion of a block
+    demoter_poll_s: float = 1.0  # the demoter re-checks DRAM usage at least this often
     nvme_read_depth: int = 4  # NVMe reads in flight while one request promotes blocks
     event_log_keys: int = 1 << 18  # tier changes kept for routers' WatchBlocks streams (keys)
 
@@ -77,6 +78,8 @@ class StoreConfig:
             raise ConfigError(f"nvme_read_depth must be >= 1, got {self.nvme_read_depth}")
         if self.promote_wait_s <= 0:
             raise ConfigError(f"promote_wait_s must be > 0, got {self.promote_wait_s}")
+        if self.demoter_poll_s <= 0:
+            raise ConfigError(f"demoter_poll_s must be > 0, got {self.demoter_poll_s}")
         if self.event_log_keys < 1:
             raise ConfigError(f"event_log_keys must be >= 1, got {self.event_log_keys}")
 
@@ -151,6 +154,7 @@ class PeerConfig:
     replicate_queue_max: int = 64  # replica pushes waiting; more are dropped and counted
     max_watchers: int = 4  # routers' WatchBlocks streams at once (one server thread each)
     peer_max_rpcs: int = 64  # peer gRPC calls admitted at once; more get RESOURCE_EXHAUSTED
+    peer_rpc_threads: int = 16  # threads serving the peer port's calls
     watch_heartbeat_s: float = 2.0  # a WatchBlocks stream sends the load at least this often
 
     def __post_init__(self) -> None:
@@ -168,6 +172,7 @@ class PeerConfig:
             "replicate_queue_max",
             "max_watchers",
             "peer_max_rpcs",
+            "peer_rpc_threads",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -213,6 +218,7 @@ class RouterConfig:
     router_host: str = "127.0.0.1"  # address the router service listens on
     router_port: int = 7800  # TCP port of the router service
     router_lookup_timeout_s: float = 0.2  # deadline of the lookups of one request
+    router_rpc_threads: int = 8  # threads serving the router service's calls
     router_watch: bool = False  # keep an index from the hosts' event streams
     router_stale_s: float = 6.0  # a host's stream silent this long: ask the host directly
     prefill_tokens_per_s: float = 8000.0  # engine prefill speed, unless a host reports one
@@ -225,6 +231,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 < self.router_port < 65536:
             raise ConfigError(f"router_port must be in [1, 65535], got {self.router_port}")
+        if self.router_rpc_threads < 1:
+            raise ConfigError(f"router_rpc_threads must be >= 1, got {self.router_rpc_threads}")
         for name in (
             "router_lookup_timeout_s",
             "router_stale_s",

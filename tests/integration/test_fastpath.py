@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import socket
-import struct
 
 import numpy as np
 import pytest
@@ -149,6 +148,13 @@ def test_client_falls_back_to_grpc_without_fast_path(sidecar: SidecarProcess) ->
 
 
 def test_frame_layout_is_stable() -> None:
-    """The frames are a wire contract between engine and sidecar versions."""
-    assert LOOKUP_REQ.size == 40 and LOOKUP_REP.size == 9
-    assert struct.calcsize("<4sI32s") == LOOKUP_REQ.size
+    """The frames are a wire contract between engine and sidecar versions: the
+    bytes of a request and a reply are spelled out here, not derived."""
+    key = bytes(range(32))
+    layout_id = bytes(range(100, 132))
+    request = LOOKUP_REQ.pack(MAGIC_REQ, 3, layout_id) + key
+    assert request[:40] == b"TSL1" + b"\x03\x00\x00\x00" + layout_id
+    assert len(request) == 72
+    reply = LOOKUP_REP.pack(MAGIC_REP, STATUS_OK, 2) + bytes([2, 3])
+    assert reply == b"TSR1" + b"\x00" + b"\x02\x00\x00\x00" + b"\x02\x03"
+    assert LOOKUP_REP.unpack(b"TSR1\x02\x05\x00\x00\x00") == (b"TSR1", 2, 5)

@@ -4,6 +4,8 @@ it there, and no pin or half-written slot is left behind."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import threading
 
 import numpy as np
@@ -56,24 +58,28 @@ def test_a_gap_on_nvme_ends_the_prefix_without_leaking_pins(on_nvme, layout) -> 
     assert store.dram.pin_count(OWNER) == 0
 
 
-def test_a_corrupt_block_is_a_gap_and_is_dropped(on_nvme, layout, monkeypatch) -> None:
+def test_a_corrupt_block_is_a_gap_and_is_dropped(on_nvme, layout, store_config) -> None:
+    """A byte flipped on disk: the promotion's own verification finds it, the
+    prefix ends before it, nothing corrupt reaches DRAM, and it is dropped."""
     store, keys, data = on_nvme
-    nvme = store.nvme
-    real_read = nvme.read_into
-
-    def read_flipping(key, out, **kw):
-        got = real_read(key, out, **kw)
-        if key == keys[10]:
-            nvme._drop_failed(nvme._entries[key], verify_failed=True)
-            return None
-        return got
-
-    monkeypatch.setattr(nvme, "read_into", read_flipping)
+    meta = store.nvme.meta(keys[10])
+    assert meta is not None
+    path = pathlib.Path(store_config().nvme_dir) / "blocks.dat"
+    with open(path, "r+b") as f:
+        f.seek(meta.offset + layout.block_bytes // 2)
+        byte = f.read(1)
+        f.seek(meta.offset + layout.block_bytes // 2)
+        f.write(bytes([byte[0] ^ 0x40]))
+        f.flush()
+        os.fsync(f.fileno())
+    before = store.nvme.stats().verify_failures
     entries = store.acquire(layout, keys, OWNER)
     assert len(entries) == 10
     assert [bytes(store.view(e)) for e in entries] == data[:10]
     store.release([e.key for e in entries], OWNER)
-    assert store.dram.pin_count(OWNER) == 0
+    assert store.pin_count(OWNER) == 0
+    assert store.nvme.stats().verify_failures == before + 1
+    assert store.held([keys[10]]) == [False]  # dropped: a miss from now on
     assert store.lookup(layout, keys).num_hits == 10
 
 

@@ -249,7 +249,30 @@ def test_stat_cli_and_json(sidecar: SidecarProcess) -> None:
             ).stdout
         )
         dram = next(t for t in stat["tiers"] if t["name"] == "dram")
-        assert int(dram["num_blocks"]) == 3 and len(stat["clients"]) == 1
+        assert dram["num_blocks"] == 3 and len(stat["clients"]) == 1
+        # 64-bit figures are JSON numbers, not protobuf's strings.
+        assert type(dram["capacity_bytes"]) is int and dram["capacity_bytes"] > 0
+        assert type(stat["counters"]["lookups"]) is int
+        assert type(stat["clients"][0]["client_id"]) is int
+        assert stat["failed_workers"] == []
+
+
+def test_stat_into_a_closed_pipe_ends_quietly(sidecar: SidecarProcess) -> None:
+    """`tierstore stat --json --watch | head -1`: the reader leaves, the
+    command ends with SIGPIPE's conventional status and no traceback."""
+    cli = [sys.executable, "-m", "tierstore.cli", "stat", "--socket", str(sidecar.socket),
+           "--json", "--watch", "0.05"]  # fmt: skip
+    proc = subprocess.Popen(cli, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().strip() == b"{"
+    proc.stdout.close()
+    try:
+        code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    err = proc.stderr.read().decode()
+    assert code == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
 
 
 def test_second_sidecar_is_refused(sidecar: SidecarProcess, tmp_path) -> None:

@@ -84,11 +84,35 @@ def _human_bytes(n: float) -> str:
 
 
 def _stat_dict(reply: Any) -> dict[str, Any]:
+    """A StatReply as plain JSON types: 64-bit integers as numbers (protobuf's
+    JSON mapping writes them as strings), every field present."""
     from google.protobuf.json_format import MessageToDict
 
-    return MessageToDict(
+    d = MessageToDict(
         reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
+    return _json_numbers(reply.DESCRIPTOR, d)
+
+
+_INT64_TYPES = {3, 4, 6, 16, 18}  # FieldDescriptor.TYPE_INT64, UINT64, FIXED64, SFIXED64, SINT64
+
+
+def _json_numbers(descriptor: Any, d: dict[str, Any]) -> dict[str, Any]:
+    for field in descriptor.fields:
+        if field.name not in d:
+            continue
+        value = d[field.name]
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            value_field = field.message_type.fields_by_name["value"]
+            if value_field.type in _INT64_TYPES:
+                d[field.name] = {k: int(v) for k, v in value.items()}
+        elif field.message_type is not None:
+            items = value if isinstance(value, list) else [value]
+            for item in items:
+                _json_numbers(field.message_type, item)
+        elif field.type in _INT64_TYPES:
+            d[field.name] = [int(v) for v in value] if isinstance(value, list) else int(value)
+    return d
 
 
 def format_stat(stat: dict[str, Any]) -> str:
@@ -98,6 +122,13 @@ def format_stat(stat: dict[str, Any]) -> str:
         f"socket {stat.get('socket_path', '?')}",
         "",
     ]
+    failed = stat.get("failed_workers", [])
+    if failed:
+        lines += [
+            f"NOT SERVING: {len(failed)} worker thread(s) died (see the sidecar's log):",
+            *(f"  {w}" for w in failed),
+            "",
+        ]
     header = (
         "tier",
         "used",
@@ -291,6 +322,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _closed_pipe() -> int:
+    """The reader went away (``tierstore stat --json | head``): end quietly with
+    the shell's status for SIGPIPE. stdout is pointed at /dev/null first, so
+    the interpreter's final flush does not raise again."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13  # 128 + SIGPIPE
 
 
 if __name__ == "__main__":

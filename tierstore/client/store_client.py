@@ -43,7 +43,7 @@ from tierstore.client.results import (
     SidecarUnavailable,
     rpc_error,
 )
-from tierstore.config import load_config
+from tierstore.config import ServerConfig, load_config
 from tierstore.errors import BlockSizeError, LayoutError, TierstoreError
 from tierstore.fastwire import fast_socket_path
 from tierstore.keys import BlockKey, KVLayout, check_keys
@@ -81,9 +81,13 @@ class StoreClient:
         connect_timeout_s: float = 10.0,
         call_timeout_s: float = 60.0,
         tier_report_s: float = 2.0,
+        hbm_evict_batch_blocks: int = 64,
     ) -> None:
         if not tier_report_s > 0:
             raise ValueError(f"tier_report_s must be > 0, got {tier_report_s}")
+        if hbm_evict_batch_blocks < 1:
+            raise ValueError(f"hbm_evict_batch_blocks must be >= 1, got {hbm_evict_batch_blocks}")
+        self.hbm_evict_batch_blocks = hbm_evict_batch_blocks
         self.socket_path = socket_path or load_config().server.socket_path
         self.call_timeout_s = call_timeout_s
         self.device = torch.device(device)
@@ -112,7 +116,7 @@ class StoreClient:
             self._channel.close()
             raise rpc_error(e, "attach") from e
         self.client_id = hello.client_id
-        self.max_batch_keys = hello.max_batch_keys or 4096
+        self.max_batch_keys = hello.max_batch_keys or ServerConfig().max_batch_keys
         self.server_version = hello.server_version
         self.arena = Arena.attach(hello.arena_path, hello.arena_bytes)
         self.arena_tensor = torch.frombuffer(self.arena.buf, dtype=torch.uint8)
@@ -250,7 +254,7 @@ class StoreClient:
         nbytes = layout.block_bytes
         slot = self.hbm.allocate(key, layout.fingerprint, nbytes, dirty)
         while slot is None and not self.hbm.contains([key])[0]:
-            victims = self.hbm.take_victims(nbytes, max_blocks=64)
+            victims = self.hbm.take_victims(nbytes, max_blocks=self.hbm_evict_batch_blocks)
             if not victims:
                 return None
             self._evict_hbm(victims)

@@ -36,6 +36,7 @@ from typing import Any
 
 import blake3
 
+from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.peer import codec
 from tierstore.store.dram import ReserveStatus
@@ -63,14 +64,14 @@ class _Transfer:
     expires: float
 
 
-@dataclass
-class SendCounters:
-    transfers: int = 0
-    blocks_sent: int = 0
-    bytes_sent: int = 0
-    bad_tickets: int = 0
-    refused_busy: int = 0
-    send_errors: int = 0
+SEND_COUNTERS = (
+    "transfers",
+    "blocks_sent",
+    "bytes_sent",
+    "bad_tickets",
+    "refused_busy",
+    "send_errors",
+)
 
 
 class DataServer:
@@ -87,7 +88,7 @@ class DataServer:
         self.store = store
         self.ticket_ttl_s = ticket_ttl_s
         self.ssl_context = ssl_context
-        self.counters = SendCounters()
+        self.counters = Counters(SEND_COUNTERS)
         self._sock = socket.create_server((host, 0), backlog=64)
         self.address = f"{host}:{self._sock.getsockname()[1]}"
         self._tickets: dict[bytes, _Transfer] = {}
@@ -95,10 +96,7 @@ class DataServer:
         self._slots = threading.BoundedSemaphore(max_transfers)
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._closing = False
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name="tierstore-data-accept", daemon=True
-        )
-        self._accept_thread.start()
+        self._accept_thread = store.workers.start("tierstore-data-accept", self._accept_loop)
 
     def open(self, layout: KVLayout, keys: list[BlockKey], compress: bool) -> tuple[bytes, int]:
         """Register a transfer of the held prefix of ``keys``: (ticket, blocks)."""
@@ -128,7 +126,7 @@ class DataServer:
             # Only connections that present a valid ticket in time take a
             # transfer slot: idle connects cannot block fetches.
             if not self._handshakes.acquire(blocking=False):
-                self.counters.refused_busy += 1
+                self.counters.add("refused_busy")
                 conn.close()
                 continue
             threading.Thread(
@@ -149,16 +147,16 @@ class DataServer:
             self._handshakes.release()
             transfer = self._take_ticket(bytes(ticket))
             if transfer is None:
-                self.counters.bad_tickets += 1
+                self.counters.add("bad_tickets")
                 return
             if not self._slots.acquire(blocking=False):
-                self.counters.refused_busy += 1
+                self.counters.add("refused_busy")
                 return
             sending = True
-            self.counters.transfers += 1
+            self.counters.add("transfers")
             self._send(conn, transfer, time.monotonic() + self.ticket_ttl_s)
         except (OSError, TransferError, ssl.SSLError) as e:
-            self.counters.send_errors += 1
+            self.counters.add("send_errors")
             log.debug("data channel send ended: %s", e)
         finally:
             conn.close()
@@ -202,8 +200,8 @@ class DataServer:
                                 entry.key, self.store.digest(entry), len(body), entry.nbytes, flags
                             )
                             send_all(conn, [header, body], deadline)
-                            self.counters.blocks_sent += 1
-                            self.counters.bytes_sent += len(body)
+                            self.counters.add("blocks_sent")
+                            self.counters.add("bytes_sent", len(body))
                     finally:
                         self.store.release([e.key for e in entries], owner)
                     if len(entries) < len(chunk):
@@ -317,7 +315,7 @@ def receive_blocks(
                     )
                 res = reservations.get(key)
                 slot = (
-                    store.arena.view(res.offset, size)
+                    store.reserved_view(res, size)
                     if res is not None and res.status == ReserveStatus.OK
                     else scratch
                 )

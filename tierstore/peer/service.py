@@ -80,12 +80,11 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     def Lookup(self, request: peer_pb2.PeerKeysRequest, context: Any) -> peer_pb2.PeerLookupReply:
         layout, keys = self._parse(request.layout, request.keys, context)
         res = self.store.lookup(layout, keys)
-        nvme = self.store.nvme
         return peer_pb2.PeerLookupReply(
             num_hits=res.num_hits,
             tiers=bytes(TIER_CODES[t] for t in res.tiers),
             load=host_load_proto(self.loads.host()),
-            nvme_read_bytes_per_s=nvme.read_rate.bytes_per_s if nvme is not None else 0.0,
+            nvme_read_bytes_per_s=self.store.nvme_read_bytes_per_s(),
             peer_fetch_bytes_per_s=self.tier.fetch_bytes_per_s(),
         )
 
@@ -133,24 +132,24 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     ) -> Iterator[peer_pb2.BlockEvents]:
         with self._watch_lock:
             if self.tier.counters.watchers >= self.cfg.max_watchers:
-                self.tier.count("watch_refused")
+                self.tier.counters.add("watch_refused")
                 context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{self.tier.counters.watchers} WatchBlocks streams open; "
                     f"max_watchers is {self.cfg.max_watchers}",
                 )
-            self.tier.count("watchers")
+            self.tier.counters.add("watchers")
         try:
             yield from self._watch(request.epoch, request.from_seq, context)
         finally:
-            self.tier.count("watchers", -1)
+            self.tier.counters.add("watchers", -1)
 
     def _watch(self, epoch: int, seq: int, context: Any) -> Iterator[peer_pb2.BlockEvents]:
         log_ = self.store.events
         synced = epoch == log_.epoch and seq <= log_.seq
         while context.is_active() and not self.stopping.is_set():
             if not synced:
-                self.tier.count("watch_snapshots")
+                self.tier.counters.add("watch_snapshots")
                 yield peer_pb2.BlockEvents(epoch=log_.epoch, op=peer_pb2.BLOCK_OP_RESET)
                 seq, held = self.store.snapshot()
                 for tier, keys in held.items():
@@ -204,7 +203,7 @@ class PeerServer:
         self.tier = PeerTier(store, cfg, cfg.address())
         self.servicer = PeerServicer(store, self.tier, self.data, cfg, loads)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="tierstore-peer"),
+            futures.ThreadPoolExecutor(cfg.peer_rpc_threads, thread_name_prefix="tierstore-peer"),
             interceptors=[TokenAuth(token)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

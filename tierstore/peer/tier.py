@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 
 from tierstore.config import PeerConfig
+from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.peer import codec
 from tierstore.peer.client import PeerClient
@@ -46,29 +47,28 @@ LINK_REPROBE_EVERY = 8  # with compression on, every 8th transfer goes raw to re
 REPLICATOR_THREADS = 4  # replica pushes in flight at once
 
 
-@dataclass
-class PeerCounters:
-    """A dead peer and a stalled one call for different fixes (restart it;
-    look at its load or the link), so their misses are counted apart."""
-
-    lookups: int = 0
-    lookup_errors: int = 0  # a peer refused, unreachable or reset (dead)
-    lookup_timeouts: int = 0  # a peer that did not answer by the deadline (stalled)
-    fetches: int = 0
-    fetched_blocks: int = 0
-    fetched_bytes: int = 0  # payload bytes on the wire (compressed where it was)
-    fetch_errors: int = 0  # transfers that failed before their deadline: refused, reset, bad stream
-    fetch_timeouts: int = 0  # transfers cut by their deadline: a peer or link that stalled
-    fetch_verify_failures: int = 0
-    pushes: int = 0
-    pushed_blocks: int = 0
-    push_errors: int = 0
-    pushes_dropped: int = 0
-    replicas_imported: int = 0
-    replicas_rejected: int = 0
-    watchers: int = 0  # routers' WatchBlocks streams open now
-    watch_snapshots: int = 0  # snapshots sent (new watchers, and resyncs after a gap)
-    watch_refused: int = 0  # streams refused: max_watchers reached
+# A dead peer and a stalled one call for different fixes (restart it; look at
+# its load or the link), so their misses are counted apart.
+PEER_COUNTERS = (
+    "lookups",
+    "lookup_errors",  # a peer refused, unreachable or reset (dead)
+    "lookup_timeouts",  # a peer that did not answer by the deadline (stalled)
+    "fetches",
+    "fetched_blocks",
+    "fetched_bytes",  # payload bytes on the wire (compressed where it was)
+    "fetch_errors",  # transfers that failed before their deadline: refused, reset, bad stream
+    "fetch_timeouts",  # transfers cut by their deadline: a peer or link that stalled
+    "fetch_verify_failures",
+    "pushes",
+    "pushed_blocks",
+    "push_errors",
+    "pushes_dropped",
+    "replicas_imported",
+    "replicas_rejected",
+    "watchers",  # routers' WatchBlocks streams open now
+    "watch_snapshots",  # snapshots sent (new watchers, and resyncs after a gap)
+    "watch_refused",  # streams refused: max_watchers reached
+)
 
 
 @dataclass
@@ -88,7 +88,7 @@ class PeerTier:
         self.store = store
         self.cfg = cfg
         self.address = self_address
-        self.counters = PeerCounters()
+        self.counters = Counters(PEER_COUNTERS)
         token = cfg.token()
         self.clients = {
             addr: PeerClient(addr, cfg, token) for addr in cfg.peers if addr != self_address
@@ -100,17 +100,9 @@ class PeerTier:
         # Several workers: one slow or dead target must not hold up the pushes
         # to the others.
         self._replicators = [
-            threading.Thread(
-                target=self._replicate_loop, name=f"tierstore-replicator-{i}", daemon=True
-            )
+            store.workers.start(f"tierstore-replicator-{i}", self._replicate_loop)
             for i in range(REPLICATOR_THREADS)
         ]
-        for t in self._replicators:
-            t.start()
-
-    def count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            setattr(self.counters, name, getattr(self.counters, name) + n)
 
     def members(self) -> list[str]:
         return [self.address, *self.clients]
@@ -123,7 +115,7 @@ class PeerTier:
         """The peer holding the longest prefix of ``keys``, asked all at once."""
         if not keys or not self.clients:
             return None, 0
-        self.count("lookups")
+        self.counters.add("lookups")
         futures = {
             addr: c.lookup_future(layout, keys, timeout_s) for addr, c in self.clients.items()
         }
@@ -133,7 +125,7 @@ class PeerTier:
                 hits = fut.result().num_hits
             except grpc.RpcError as e:
                 stalled = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                self.count("lookup_timeouts" if stalled else "lookup_errors")
+                self.counters.add("lookup_timeouts" if stalled else "lookup_errors")
                 continue
             if hits > best[1]:
                 best = (self.clients[addr], hits)
@@ -152,31 +144,35 @@ class PeerTier:
     def _fetch(
         self, peer: PeerClient, layout: KVLayout, keys: list[BlockKey], deadline: float
     ) -> ReceiveResult:
-        self.count("fetches")
+        self.counters.add("fetches")
         try:
             result = self._receive(peer, layout, keys, deadline, self._compress(peer, layout))
         except (grpc.RpcError, OSError) as e:
-            self.count("fetch_timeouts" if _timed_out(e, deadline) else "fetch_errors")
+            self.counters.add("fetch_timeouts" if _timed_out(e, deadline) else "fetch_errors")
             _faults.warning(
                 f"fetch:{peer.address}", "fetch from %s failed: %s", peer.address, _rpc_text(e)
             )
             return ReceiveResult(error=str(e))
-        self.count("fetched_blocks", result.received)
-        self.count("fetched_bytes", result.bytes)
+        self.counters.add("fetched_blocks", result.received)
+        self.counters.add("fetched_bytes", result.bytes)
         if result.verify_failures:
-            self.count("fetch_verify_failures", result.verify_failures)
+            self.counters.add("fetch_verify_failures", result.verify_failures)
             _faults.warning(
                 f"verify:{peer.address}", "fetch from %s: a block failed verification", peer.address
             )
         if result.error:
-            self.count("fetch_timeouts" if _timed_out(None, deadline) else "fetch_errors")
+            self.counters.add("fetch_timeouts" if _timed_out(None, deadline) else "fetch_errors")
             _faults.warning(
                 f"early:{peer.address}", "fetch from %s ended early: %s", peer.address, result.error
             )
         return result
 
     def _receive(
-        self, peer: PeerClient, layout: KVLayout, keys: list[BlockKey], deadline: float,
+        self,
+        peer: PeerClient,
+        layout: KVLayout,
+        keys: list[BlockKey],
+        deadline: float,
         compress: bool,
     ) -> ReceiveResult:
         """Open a transfer from ``peer`` and read it into the store (verified);
@@ -230,7 +226,7 @@ class PeerTier:
         try:
             self._pushes.put_nowait(push)
         except queue.Full:
-            self.count("pushes_dropped")
+            self.counters.add("pushes_dropped")
             return None
         if wait:
             push.done.wait(self.cfg.replicate_timeout_s + 5)
@@ -258,13 +254,13 @@ class PeerTier:
         client = self.clients.get(push.target)
         if client is None:
             return
-        self.count("pushes")
+        self.counters.add("pushes")
         try:
             push.reply = client.replicate(
                 push.layout, push.keys, self.address, push.session, self.cfg.replicate_timeout_s
             )
         except grpc.RpcError as e:
-            self.count("push_errors")
+            self.counters.add("push_errors")
             _faults.warning(
                 f"push:{push.target}",
                 "replica push of %s to %s failed: %s",
@@ -273,7 +269,7 @@ class PeerTier:
                 _rpc_text(e),
             )
             return
-        self.count("pushed_blocks", push.reply.imported)
+        self.counters.add("pushed_blocks", push.reply.imported)
 
     # -- kv_share: the receiving side ---------------------------------------------------
 
@@ -284,9 +280,7 @@ class PeerTier:
         the replica budget. Residency is asked of the tiers, never remembered."""
         started = time.monotonic()
         deadline = started + min(timeout_s, self.cfg.replicate_timeout_s)
-        held = self.store.dram.contains(keys)
-        if self.store.nvme is not None:
-            held = [a or b for a, b in zip(held, self.store.nvme.contains(keys))]
+        held = self.store.held(keys)
         missing = [k for k, h in zip(keys, held) if not h]
         # The session's replica is as fresh as this push, head last: else
         # its head, imported first, stays the oldest replica and is the first
@@ -302,7 +296,7 @@ class PeerTier:
         ):
             fits //= 2
         reply.rejected = len(missing) - fits
-        self.count("replicas_rejected", reply.rejected)
+        self.counters.add("replicas_rejected", reply.rejected)
         peer = self.clients.get(source)
         reserved = fits * layout.block_bytes
         committed: list[BlockKey] = []
@@ -321,7 +315,7 @@ class PeerTier:
         finally:
             self.store.finish_replica_import(reserved, layout, committed)
             ledger.refresh(reversed(keys))
-        self.count("replicas_imported", len(committed))
+        self.counters.add("replicas_imported", len(committed))
         reply.imported = len(committed)
         now = time.monotonic()
         reply.import_s = now - started

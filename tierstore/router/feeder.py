@@ -9,6 +9,7 @@ bounded backoff. Until the host is synced again the router asks it directly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -17,7 +18,9 @@ from typing import Any
 
 import grpc
 
+from tierstore.counters import Counters
 from tierstore.router.index import FleetIndex, GapError
+from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -29,27 +32,26 @@ OpenStream = Callable[[str, int, int], Any]
 
 
 class IndexFeeder:
-    def __init__(self, index: FleetIndex, hosts: Iterable[str], open_stream: OpenStream) -> None:
+    def __init__(
+        self,
+        index: FleetIndex,
+        hosts: Iterable[str],
+        open_stream: OpenStream,
+        workers: Workers | None = None,
+    ) -> None:
         self.index = index
         self.hosts = list(hosts)
         self._open = open_stream
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._calls: dict[str, tuple[Any, float]] = {}  # host -> (stream, opened at)
-        self.counters = {"streams_opened": 0, "gaps": 0, "stream_errors": 0, "stale_cancels": 0}
+        self.counters = Counters(("streams_opened", "gaps", "stream_errors", "stale_cancels"))
+        self.workers = workers if workers is not None else Workers()
         self._threads = [
-            threading.Thread(target=self._run, args=(h,), name=f"router-feed-{h}", daemon=True)
+            self.workers.start(f"router-feed-{h}", functools.partial(self._run, h))
             for h in self.hosts
         ]
-        self._threads.append(
-            threading.Thread(target=self._watchdog, name="router-feed-watchdog", daemon=True)
-        )
-        for t in self._threads:
-            t.start()
-
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self.counters[name] += 1
+        self._threads.append(self.workers.start("router-feed-watchdog", self._watchdog))
 
     def _run(self, host: str) -> None:
         backoff = BACKOFF_MIN_S
@@ -62,7 +64,7 @@ class IndexFeeder:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 continue
-            self._count("streams_opened")
+            self.counters.add("streams_opened")
             with self._lock:
                 self._calls[host] = (call, time.monotonic())
             try:
@@ -72,14 +74,14 @@ class IndexFeeder:
                     if self._stop.is_set():
                         break
             except GapError as e:
-                self._count("gaps")
+                self.counters.add("gaps")
                 log.info("resynchronising %s: %s", host, e)
                 # Soon, not at once: a stream that breaks every time must not
                 # become a loop of snapshots.
                 backoff = BACKOFF_MIN_S
             except grpc.RpcError as e:
                 if not self._stop.is_set():
-                    self._count("stream_errors")
+                    self.counters.add("stream_errors")
                     log.debug("watch of %s ended: %s", host, e)
             finally:
                 with self._lock:
@@ -98,7 +100,7 @@ class IndexFeeder:
                 calls = list(self._calls.items())
             for host, (call, opened) in calls:
                 if now - opened > self.index.stale_s and self.index.silent(host, now):
-                    self._count("stale_cancels")
+                    self.counters.add("stale_cancels")
                     _cancel(call)
 
     def synced(self) -> Mapping[str, bool]:

@@ -132,7 +132,9 @@ class RouterServer:
         self.router = Router(config.router, config.peer)
         self.servicer = RouterServicer(self.router)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tierstore-router"),
+            futures.ThreadPoolExecutor(
+                config.router.router_rpc_threads, thread_name_prefix="tierstore-router"
+            ),
             interceptors=[TokenAuth(token)],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -21,6 +21,7 @@ import socket
 import threading
 from pathlib import Path
 
+from tierstore.counters import Counters
 from tierstore.errors import LayoutError
 from tierstore.fastwire import (
     LOOKUP_REP,
@@ -35,6 +36,7 @@ from tierstore.fastwire import (
 from tierstore.keys import KEY_BYTES, unpack_keys
 from tierstore.store import TieredStore
 from tierstore.tiers import TIER_CODES
+from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +44,14 @@ log = logging.getLogger(__name__)
 class FastLookupServer:
     """Serves fast-path lookups from ``store``. See the module docstring."""
 
-    def __init__(self, path: Path, store: TieredStore, max_keys: int, max_connections: int) -> None:
+    def __init__(
+        self, path: Path, store: TieredStore, max_keys: int, max_connections: int,
+        workers: Workers,
+    ) -> None:  # fmt: skip
         self.path = path
         self.store = store
         self.max_keys = max_keys
-        self.lookups = 0
-        self.bad_requests = 0
+        self.counters = Counters(("lookups", "bad_requests"))
         self._slots = threading.BoundedSemaphore(max_connections)
         self._closing = False
         path.unlink(missing_ok=True)  # stale: the sidecar's socket lock says nobody serves it
@@ -58,10 +62,7 @@ class FastLookupServer:
         finally:
             os.umask(old_umask)
         self._sock.listen(64)
-        self._thread = threading.Thread(
-            target=self._accept_loop, name="tierstore-fastpath", daemon=True
-        )
-        self._thread.start()
+        self._thread = workers.start("tierstore-fastpath", self._accept_loop)
 
     def _accept_loop(self) -> None:
         while not self._closing:
@@ -84,7 +85,7 @@ class FastLookupServer:
                 magic, num_keys, layout_id = LOOKUP_REQ.unpack(header)
                 if magic != MAGIC_REQ or num_keys > self.max_keys:
                     # The stream cannot be resynchronised: answer, then close.
-                    self.bad_requests += 1
+                    self.counters.add("bad_requests")
                     self._error(conn, STATUS_BAD_REQUEST,
                                 f"bad frame: magic {magic!r}, {num_keys} keys "
                                 f"(max_batch_keys is {self.max_keys})")  # fmt: skip
@@ -103,12 +104,12 @@ class FastLookupServer:
         try:
             layout = self.store.layout(layout_id)
         except LayoutError as e:
-            self.bad_requests += 1
+            self.counters.add("bad_requests")
             msg = str(e).encode()
             return LOOKUP_REP.pack(MAGIC_REP, STATUS_UNKNOWN_LAYOUT, len(msg)) + msg
         keys = unpack_keys(raw)
         res = self.store.lookup(layout, keys)
-        self.lookups += 1
+        self.counters.add("lookups")
         tiers = bytes(TIER_CODES[t] for t in res.tiers)
         return LOOKUP_REP.pack(MAGIC_REP, STATUS_OK, res.num_hits) + tiers
 

@@ -22,8 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.store.tiered import TieredStore
+from tierstore.workers import Workers
 
 PROMOTE_CHUNK_BLOCKS = 8  # keys promoted per acquire call: small enough to cancel promptly
 
@@ -100,33 +102,26 @@ class PrefetchJob:
     outcome: Outcome | None = None  # DONE, LATE or CANCELLED once counted (exactly once)
 
 
-@dataclass
-class PrefetchCounters:
-    """``started``: best-effort prefetches answered at once. ``done``, ``late``,
-    ``cancelled``: the outcome of each prefetch, counted once per prefetch
-    (a best-effort one is counted again only if it is cancelled)."""
-
-    started: int = 0
-    done: int = 0
-    late: int = 0
-    cancelled: int = 0
-    blocks_promoted: int = 0
+# ``started``: best-effort prefetches answered at once. ``done``, ``late``,
+# ``cancelled``: the outcome of each prefetch, counted once per prefetch (a
+# best-effort one is counted again only if it is cancelled).
+PREFETCH_COUNTERS = ("started", "done", "late", "cancelled", "blocks_promoted", "io_errors")
 
 
 class Prefetcher:
     """Bounded queue of prefetch jobs served by ``num_threads`` workers."""
 
-    def __init__(self, store: TieredStore, num_threads: int, queue_max: int) -> None:
+    def __init__(
+        self, store: TieredStore, num_threads: int, queue_max: int, workers: Workers | None = None
+    ) -> None:
         self.store = store
-        self.counters = PrefetchCounters()
-        self._lock = threading.Lock()
+        self.counters = Counters(PREFETCH_COUNTERS)
+        self._lock = threading.Lock()  # a job's outcome is settled once
         self._queue: queue.Queue[PrefetchJob | None] = queue.Queue(maxsize=queue_max)
+        workers = workers if workers is not None else Workers()
         self._threads = [
-            threading.Thread(target=self._work, name=f"tierstore-prefetch-{i}", daemon=True)
-            for i in range(num_threads)
+            workers.start(f"tierstore-prefetch-{i}", self._work) for i in range(num_threads)
         ]
-        for t in self._threads:
-            t.start()
 
     def run(
         self, layout: KVLayout, keys: Sequence[BlockKey], policy: PrefetchPolicy
@@ -144,16 +139,12 @@ class Prefetcher:
             return self._settle(job, Outcome.CANCELLED), job
         wait_s = policy.wait_s(tokens)
         if wait_s <= 0:
-            self._count("started")
+            self.counters.add("started")
             return Outcome.STARTED, job
         if not job.done.wait(wait_s):
             job.late = True  # the worker stops at its next chunk
         # close() may have cancelled (and counted) the job meanwhile: then that stands.
         return self._settle(job, Outcome.LATE if job.late else Outcome.DONE), job
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            setattr(self.counters, name, getattr(self.counters, name) + n)
 
     def _settle(self, job: PrefetchJob, outcome: Outcome) -> Outcome:
         """Give ``job`` this outcome and count it, unless it has one already;
@@ -161,8 +152,7 @@ class Prefetcher:
         with self._lock:
             if job.outcome is None:
                 job.outcome = outcome
-                name = outcome.name.lower()
-                setattr(self.counters, name, getattr(self.counters, name) + 1)
+                self.counters.add(outcome.name.lower())
             return job.outcome
 
     def _work(self) -> None:
@@ -172,6 +162,8 @@ class Prefetcher:
                 return
             try:
                 self._promote(job)
+            except OSError:  # a disk error the NVMe tier re-raised: this job's rest is a miss
+                self.counters.add("io_errors")
             finally:
                 job.done.set()
 
@@ -187,7 +179,7 @@ class Prefetcher:
             entries = self.store.acquire(job.layout, chunk)
             self.store.release([e.key for e in entries])
             job.ready_blocks += len(entries)
-            self._count("blocks_promoted", len(entries))
+            self.counters.add("blocks_promoted", len(entries))
             if len(entries) < len(chunk):
                 return  # a gap: the rest of the prefix is not available
 

@@ -36,6 +36,7 @@ from tierstore.sidecar.metrics import start_metrics_server
 from tierstore.sidecar.service import MAX_MESSAGE_BYTES, SERVICE_NAME, LocalServicer
 from tierstore.store.tiered import TieredStore
 from tierstore.v1 import local_pb2_grpc
+from tierstore.workers import Workers
 
 if TYPE_CHECKING:
     from tierstore.peer.service import PeerServer
@@ -80,7 +81,8 @@ class Sidecar:
         self._stopped = threading.Event()
         self.metrics_server: Any = None
         try:
-            self.store = TieredStore(config.store)
+            self.workers = Workers()
+            self.store = TieredStore(config.store, workers=self.workers)
         except BaseException:
             self._lock.close()
             raise
@@ -119,7 +121,7 @@ class Sidecar:
             os.chmod(self.socket_path, 0o600)
             self.fast_lookup = FastLookupServer(
                 fast_socket_path(self.socket_path), self.store, cfg.max_batch_keys,
-                cfg.max_clients,
+                cfg.max_clients, self.workers,
             )  # fmt: skip
             self.servicer.fast_lookup = self.fast_lookup
             if cfg.metrics_port:
@@ -129,13 +131,22 @@ class Sidecar:
             raise
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        # A worker that died of a bug (the demoter, a replicator, ...) leaves a
+        # sidecar that answers but no longer does its job: say so to health checks.
+        self.workers.on_failure(self._on_worker_failure)
         log.info(
             "tierstore %s serving on unix:%s (DRAM %s, NVMe %s)",
             __version__,
             self.socket_path,
             config.store.dram_bytes,
-            config.store.nvme_dir if self.store.nvme is not None else "off",
+            config.store.nvme_dir if self.store.has_nvme else "off",
         )
+
+    def _on_worker_failure(self, name: str, error: BaseException) -> None:
+        if self.stopping.is_set():
+            return
+        for service in ("", SERVICE_NAME):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def stop(self) -> None:
         """Refuse new calls, finish in-flight ones, close the store. Idempotent."""

@@ -26,6 +26,7 @@ import grpc
 
 from tierstore import __version__
 from tierstore.config import Config
+from tierstore.counters import Counters
 from tierstore.errors import TierstoreError
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, unpack_keys
 from tierstore.sidecar.fastpath import FastLookupServer
@@ -43,6 +44,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tierstore.v1.LocalService"
+SERVICE_COUNTERS = (
+    "bad_requests",
+    "clients_attached",
+    "clients_detached",
+    "clients_refused",
+    "leaked_reservations_released",
+    "leaked_pins_released",
+)
 MAX_MESSAGE_BYTES = 4 << 20
 ENGINE_TIERS = (str(TierName.HBM),)  # tiers engines may report (ReportTiers), in display order
 U64_MAX = (1 << 64) - 1
@@ -101,26 +110,20 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         self.fast_lookup: FastLookupServer | None = None  # set by the Sidecar
         self.cfg = config.server
         self.config = config
-        self.prefetcher = Prefetcher(store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max)
+        self.prefetcher = Prefetcher(
+            store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max, store.workers
+        )
         self._stopping = stopping
         self._clients: dict[int, ClientSession] = {}
         self._lock = threading.Lock()
         # Tiers that live in the engines (their HBM pools), as each client last
         # reported them (ReportTiers); under _lock, dropped on detach.
         self._engine_tiers: dict[int, list[common_pb2.TierStat]] = {}
-        self.counters: dict[str, int] = {
-            "bad_requests": 0,
-            "clients_attached": 0,
-            "clients_detached": 0,
-            "clients_refused": 0,
-            "leaked_reservations_released": 0,
-            "leaked_pins_released": 0,
-        }
+        self.counters = Counters(SERVICE_COUNTERS)
         self.started_at = time.time()
 
     def count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.counters[name] = self.counters.get(name, 0) + n
+        self.counters.add(name, n)
 
     # -- sessions -----------------------------------------------------------------
 
@@ -129,7 +132,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
     ) -> Iterator[local_pb2.AttachEvent]:
         with self._lock:
             if len(self._clients) >= self.cfg.max_clients:
-                self.counters["clients_refused"] += 1
+                self.counters.add("clients_refused")
                 context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{len(self._clients)} clients attached; max_clients is {self.cfg.max_clients}",
@@ -142,7 +145,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             self._clients[client_id] = ClientSession(
                 client_id, request.client_name[:128], request.pid, time.time()
             )
-            self.counters["clients_attached"] += 1
+            self.counters.add("clients_attached")
         done = threading.Event()
         try:
             # False: the call already ended (cancelled at once), and the
@@ -168,7 +171,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         with self._lock:
             if self._clients.pop(client_id, None) is None:
                 return
-            self.counters["clients_detached"] += 1
+            self.counters.add("clients_detached")
             self._engine_tiers.pop(client_id, None)
         self.loads.forget(client_id)
         aborted, pins = self.store.release_owner(client_id)
@@ -261,7 +264,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
     ) -> local_pb2.FlagsReply:
         owner, _, keys = self._request(request)
-        not_owned = self.store.dram.not_reserved_by(keys, owner)
+        not_owned = self.store.not_reserved_by(keys, owner)
         if not_owned:
             raise BadRequest(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -436,21 +439,24 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
 def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
     stat = servicer.store.stat()
     counters = dict(stat["store"])
-    counters.update(servicer.counters)
+    counters.update(servicer.counters.snapshot())
     if servicer.fast_lookup is not None:
-        counters["fast_lookups"] = servicer.fast_lookup.lookups
-        counters["bad_requests"] += servicer.fast_lookup.bad_requests
+        fast = servicer.fast_lookup.counters.snapshot()
+        counters["fast_lookups"] = fast["lookups"]
+        counters["bad_requests"] += fast["bad_requests"]
     if servicer.peer_server is not None:
         counters.update(
-            {f"peer_{k}": v for k, v in vars(servicer.peer_server.tier.counters).items()}
+            {f"peer_{k}": v for k, v in servicer.peer_server.tier.counters.snapshot().items()}
         )
         counters.update(
-            {f"peer_{k}": v for k, v in vars(servicer.peer_server.data.counters).items()}
+            {f"peer_{k}": v for k, v in servicer.peer_server.data.counters.snapshot().items()}
         )
         counters["replica_bytes"] = servicer.store.replica_bytes()
         counters["peer_tls"] = int(servicer.peer_server.tls)
-    pf = servicer.prefetcher.counters
-    counters.update({f"prefetch_{k}": v for k, v in vars(pf).items()})
+    pf = servicer.prefetcher.counters.snapshot()
+    counters.update({f"prefetch_{k}": v for k, v in pf.items()})
+    failed = servicer.store.workers.failed()
+    counters["worker_failures"] = len(failed)
     now = time.time()
     return local_pb2.StatReply(
         tiers=[
@@ -469,13 +475,14 @@ def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
                 name=c.name,
                 pid=c.pid,
                 connected_s=now - c.connected_at,
-                pins=servicer.store.dram.pin_count(c.client_id),
+                pins=servicer.store.pin_count(c.client_id),
             )
             for c in servicer.clients()
         ],
         version=__version__,
         uptime_s=now - servicer.started_at,
         socket_path=servicer.cfg.socket_path,
-        nvme_dir=servicer.config.store.nvme_dir if servicer.store.nvme is not None else "",
+        nvme_dir=servicer.config.store.nvme_dir if servicer.store.has_nvme else "",
         load=host_load_proto(servicer.loads.host()),
+        failed_workers=[f"{name}: {error}" for name, error in sorted(failed.items())],
     )

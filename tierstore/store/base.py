@@ -8,10 +8,28 @@ more than one tier.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tierstore.keys import BlockKey
 from tierstore.tiers import TierName, TierStats
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+else:
+    Buffer = object
+
+
+class BlockMeta(Protocol):
+    """What a tier below DRAM knows of one held block."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def layout_fp(self) -> bytes: ...
+
+    @property
+    def digest(self) -> bytes: ...
 
 
 class Tier(Protocol):

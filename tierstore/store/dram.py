@@ -3,7 +3,7 @@
 Provides two-phase writes (``reserve`` then ``commit`` or ``abort``),
 reference-counted reads (``pin`` / ``unpin``), residency (``contains``) and
 eviction hand-off (``take_victim`` / ``drop``) for the tiered store's demoter.
-Every reservation and pin carries an *owner* (0 for the store itself, a
+Every reservation and pin carries an *owner* (``STORE_OWNER`` for the store itself, a
 connection id for engine clients) so that a client that dies leaks nothing
 (``release_owner``).
 
@@ -29,6 +29,8 @@ from tierstore.tiers import TierName, TierStats
 
 if TYPE_CHECKING:
     from tierstore.store.events import BlockEventLog
+
+STORE_OWNER = 0  # owner id of reservations and pins made by the store itself
 
 
 class EntryState(enum.IntEnum):
@@ -75,7 +77,7 @@ class DramTier:
     # -- writes ---------------------------------------------------------------
 
     def reserve(
-        self, key: BlockKey, layout_fp: bytes, nbytes: int, owner: int = 0
+        self, key: BlockKey, layout_fp: bytes, nbytes: int, owner: int = STORE_OWNER
     ) -> tuple[ReserveStatus, DramEntry | None]:
         """Allocate a slot for ``key``. OK returns the RESERVED entry, whose
         bytes only ``owner`` may write until ``commit`` or ``abort``."""
@@ -90,7 +92,7 @@ class DramTier:
             return ReserveStatus.OK, entry
 
     def commit(
-        self, keys: Iterable[BlockKey], owner: int = 0, pin_for: int | None = None
+        self, keys: Iterable[BlockKey], owner: int = STORE_OWNER, pin_for: int | None = None
     ) -> list[bool]:
         """Make reserved blocks readable. False for a key this owner did not
         reserve. With ``pin_for``, each committed block is also pinned for that
@@ -119,7 +121,7 @@ class DramTier:
             self._log(True, added)
         return done
 
-    def abort(self, keys: Iterable[BlockKey], owner: int = 0) -> int:
+    def abort(self, keys: Iterable[BlockKey], owner: int = STORE_OWNER) -> int:
         """Free reservations of ``owner`` that were not committed."""
         n = 0
         with self._lock:
@@ -145,7 +147,7 @@ class DramTier:
         with self._lock:
             return [k for k, e in self._entries.items() if self._readable(e)]
 
-    def pin(self, keys: Sequence[BlockKey], owner: int = 0) -> list[DramEntry | None]:
+    def pin(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> list[DramEntry | None]:
         """Pin each readable key (counted as a hit) or give None (a miss)."""
         out: list[DramEntry | None] = []
         with self._lock:
@@ -165,7 +167,7 @@ class DramTier:
                     out.append(None)
         return out
 
-    def unpin(self, keys: Iterable[BlockKey], owner: int = 0) -> int:
+    def unpin(self, keys: Iterable[BlockKey], owner: int = STORE_OWNER) -> int:
         """Drop one pin of ``owner`` per key; unknown pins are ignored (counted in the result)."""
         n = 0
         with self._lock:
@@ -180,7 +182,7 @@ class DramTier:
                     del pins[key]
                 self._entries[key].refs -= 1
                 n += 1
-            if not pins and owner != 0:
+            if not pins and owner != STORE_OWNER:
                 del self._pins[owner]
         return n
 

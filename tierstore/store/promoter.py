@@ -7,6 +7,11 @@ time leaves the disk idle while the block just read is verified (blake3 over
 2 MiB is about as long as reading it); a few in flight keep the disk busy
 and the verify of one block overlaps the reads of the next.
 
+Its collaborators are explicit (``PromotionSource``: the tier blocks come
+up from; the DRAM tier and the arena they go to; ``make_room``, which the
+store evicts through; ``on_promoted``, which wakes its demoter), so it never
+calls back into the store that owns it.
+
 Threads: called from any caller thread of the store; the reads run on a
 small pool of "tierstore-promote" threads started on first use. Promotions
 of the same key are coalesced: one thread reads, the others wait for it,
@@ -17,18 +22,31 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
-from tierstore.store.dram import DramEntry, ReserveStatus
+from tierstore.memory.arena import Arena
+from tierstore.store.base import BlockMeta, Buffer
+from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier, ReserveStatus
 
-if TYPE_CHECKING:
-    from tierstore.store.tiered import TieredStore
+PROMOTER_COUNTERS = ("promotions", "promotion_failures")
 
-STORE_OWNER = 0  # owner id of reservations and pins made by the store itself
+
+class PromotionSource(Protocol):
+    """A tier below DRAM that blocks are promoted from (NVMe)."""
+
+    def meta(self, key: BlockKey) -> BlockMeta | None:
+        """Size, layout and digest of a held block; None if not held."""
+        ...
+
+    def read_into(self, key: BlockKey, out: Buffer, *, in_parallel: bool = False) -> int | None:
+        """Read and verify ``key`` into ``out``: the bytes read, or None/short
+        on a miss (absent, unreadable, failed verification)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -37,12 +55,29 @@ class _Promotion:
 
 
 class Promoter:
-    """Promotion from the store's NVMe tier into its DRAM tier; owned by one
-    ``TieredStore`` and closed with it."""
+    """Promotion from ``source`` into ``dram``; owned by one ``TieredStore``
+    and closed with it. ``counters`` gets ``PROMOTER_COUNTERS``."""
 
-    def __init__(self, store: TieredStore, read_depth: int) -> None:
-        self._store = store
+    def __init__(
+        self,
+        source: PromotionSource | None,
+        dram: DramTier,
+        arena: Arena,
+        *,
+        make_room: Callable[[int], bool],
+        on_promoted: Callable[[], None],
+        counters: Counters,
+        read_depth: int,
+        wait_s: float,
+    ) -> None:
+        self._source = source
+        self._dram = dram
+        self._arena = arena
+        self._make_room = make_room
+        self._on_promoted = on_promoted
+        self._counters = counters
         self._read_depth = read_depth
+        self._wait_s = wait_s
         self._running: dict[BlockKey, _Promotion] = {}
         self._lock = threading.Lock()
         self._pool: futures.ThreadPoolExecutor | None = None
@@ -64,7 +99,7 @@ class Promoter:
         then the error propagates.
         """
         missing = [i for i, entry in enumerate(pinned) if entry is None]
-        if not missing or self._store.nvme is None:
+        if not missing or self._source is None:
             return
         if len(missing) == 1 or self._read_depth <= 1:
             for i in missing:
@@ -120,7 +155,7 @@ class Promoter:
             if running is None:
                 self._running[key] = _Promotion()
         if running is not None:
-            running.done.wait(self._store.config.promote_wait_s)
+            running.done.wait(self._wait_s)
             return self._pin_matching(key, layout.fingerprint, owner)
         try:
             return self._promote_now(layout, key, owner, in_parallel)
@@ -129,7 +164,7 @@ class Promoter:
                 self._running.pop(key).done.set()
 
     def _pin_matching(self, key: BlockKey, layout_fp: bytes, owner: int) -> DramEntry | None:
-        dram = self._store.dram
+        dram = self._dram
         entry = dram.pin([key], owner)[0]
         if entry is not None and entry.layout_fp != layout_fp:
             dram.unpin([key], owner)
@@ -139,39 +174,38 @@ class Promoter:
     def _promote_now(
         self, layout: KVLayout, key: BlockKey, owner: int, in_parallel: bool
     ) -> DramEntry | None:
-        store = self._store
-        nvme, dram = store.nvme, store.dram
-        if nvme is None:
+        source, dram = self._source, self._dram
+        if source is None:
             return None
-        meta = nvme.meta(key)
+        meta = source.meta(key)
         nbytes = layout.block_bytes
         if meta is None or meta.nbytes != nbytes or meta.layout_fp != layout.fingerprint:
             return None  # absent, or stored under another layout: a miss
         status, entry = dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
-        if status == ReserveStatus.FULL and store.make_room(nbytes):
+        if status == ReserveStatus.FULL and self._make_room(nbytes):
             status, entry = dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
         if status == ReserveStatus.EXISTS:
             return self._pin_matching(key, layout.fingerprint, owner)
         if status != ReserveStatus.OK or entry is None:
-            store.count("promotion_failures")
+            self._counters.add("promotion_failures")
             return None
-        slot = store.arena.view(entry.offset, dram.allocator.slot_bytes(nbytes))
+        slot = self._arena.view(entry.offset, dram.allocator.slot_bytes(nbytes))
         try:
-            got = nvme.read_into(key, slot, in_parallel=in_parallel)
+            got = source.read_into(key, slot, in_parallel=in_parallel)
         except BaseException:
             dram.abort([key], STORE_OWNER)
             raise
-        after = nvme.meta(key)
+        after = source.meta(key)
         if after is not None and meta.digest == after.digest:
             # The read verified the bytes against this digest: peers need not hash again.
             entry.digest = meta.digest
         if got != nbytes:
             dram.abort([key], STORE_OWNER)
-            store.count("promotion_failures")
+            self._counters.add("promotion_failures")
             return None
         dram.commit([key], STORE_OWNER, pin_for=owner)
-        store.count("promotions")
-        store.maybe_wake_demoter()
+        self._counters.add("promotions")
+        self._on_promoted()
         return entry
 
     def _reader_pool(self) -> futures.ThreadPoolExecutor:

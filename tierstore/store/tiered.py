@@ -22,18 +22,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstore.config import StoreConfig
+from tierstore.counters import Counters
 from tierstore.errors import BlockSizeError, LayoutError
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.memory.arena import Arena
 from tierstore.memory.memcopy import copy_into
 from tierstore.policies import make_admission_policy, make_eviction_policy
 from tierstore.ratelog import RateLimitedLog
-from tierstore.store.dram import DramEntry, DramTier, ReserveStatus
+from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier, ReserveStatus
 from tierstore.store.events import BlockEventLog
 from tierstore.store.nvme import NvmeTier, block_digest
-from tierstore.store.promoter import STORE_OWNER, Promoter
+from tierstore.store.promoter import PROMOTER_COUNTERS, Promoter
 from tierstore.store.replicas import ReplicaLedger
 from tierstore.tiers import TierName, TierStats
+from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)
@@ -58,24 +60,27 @@ class LookupResult:
     tiers: tuple[TierName, ...]
 
 
-@dataclass(slots=True)
-class StoreCounters:
-    lookups: int = 0
-    lookup_keys: int = 0
-    lookup_hit_keys: int = 0
-    promotions: int = 0
-    promotion_failures: int = 0
-    spilled_blocks: int = 0
-    spill_skipped_admission: int = 0
-    spill_failures: int = 0
-    dropped_blocks: int = 0
+STORE_COUNTERS = (
+    "lookups",
+    "lookup_keys",
+    "lookup_hit_keys",
+    *PROMOTER_COUNTERS,
+    "spilled_blocks",
+    "spill_skipped_admission",
+    "spill_failures",
+    "dropped_blocks",
+)
 
 
 class TieredStore:
     """DRAM over NVMe. See the module docstring."""
 
-    def __init__(self, config: StoreConfig, *, arena: Arena | None = None) -> None:
+    def __init__(
+        self, config: StoreConfig, *, arena: Arena | None = None, workers: Workers | None = None
+    ) -> None:
         self.config = config
+        # The sidecar passes its own, so a dead demoter turns its health NOT_SERVING.
+        self.workers = workers if workers is not None else Workers()
         self.arena = arena if arena is not None else Arena.create(config.dram_bytes, config.shm_dir)
         try:
             # A tier smaller than one segment is one segment (small test and demo stores).
@@ -106,10 +111,18 @@ class TieredStore:
         self._admission_lock = threading.Lock()
         self._layouts: dict[bytes, KVLayout] = {}
         self._layouts_lock = threading.Lock()
-        self.counters = StoreCounters()  # written under _evict_lock or _counters_lock
-        self._counters_lock = threading.Lock()
+        self.counters = Counters(STORE_COUNTERS)
         self._evict_lock = threading.Lock()
-        self.promoter = Promoter(self, config.nvme_read_depth)
+        self.promoter = Promoter(
+            self.nvme,
+            self.dram,
+            self.arena,
+            make_room=self.make_room,
+            on_promoted=self.maybe_wake_demoter,
+            counters=self.counters,
+            read_depth=config.nvme_read_depth,
+            wait_s=config.promote_wait_s,
+        )
         # Blocks imported for other hosts (kv_share): evicted before the
         # host's own blocks and bounded by a budget.
         self.replicas = ReplicaLedger()
@@ -119,10 +132,7 @@ class TieredStore:
         self._low_bytes = int(config.dram_low_watermark * self.dram.allocator.capacity_bytes)
         self._wake = threading.Condition()
         self._closing = False
-        self._demoter = threading.Thread(
-            target=self._demote_loop, name="tierstore-demoter", daemon=True
-        )
-        self._demoter.start()
+        self._demoter = self.workers.start("tierstore-demoter", self._demote_loop)
 
     # -- layouts ----------------------------------------------------------------
 
@@ -148,10 +158,6 @@ class TieredStore:
                 f"unknown layout fingerprint {bytes(fingerprint).hex()[:16]}...; register it first"
             )
         return layout
-
-    def layouts(self) -> list[KVLayout]:
-        with self._layouts_lock:
-            return list(self._layouts.values())
 
     # -- writes -------------------------------------------------------------------
 
@@ -232,10 +238,9 @@ class TieredStore:
                     tiers.append(TierName.NVME)
                 else:
                     break
-        with self._counters_lock:
-            self.counters.lookups += 1
-            self.counters.lookup_keys += len(keys)
-            self.counters.lookup_hit_keys += len(tiers)
+        self.counters.add_many(
+            {"lookups": 1, "lookup_keys": len(keys), "lookup_hit_keys": len(tiers)}
+        )
         return LookupResult(len(tiers), tuple(tiers))
 
     def acquire(
@@ -314,7 +319,7 @@ class TieredStore:
             if self.replicas.reserve(nbytes, budget_bytes):
                 return True
             self.drop([key])
-            if not self._held([key])[0]:  # a pinned replica stays, and stays counted
+            if not self.held([key])[0]:  # a pinned replica stays, and stays counted
                 self.replicas.discard([key])
         return self.replicas.reserve(nbytes, budget_bytes)
 
@@ -323,7 +328,8 @@ class TieredStore:
     ) -> None:
         self.replicas.settle(reserved_bytes, keys, layout.block_bytes)
 
-    def _held(self, keys: Sequence[BlockKey]) -> list[bool]:
+    def held(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key is held in DRAM or on NVMe now (asked of the tiers)."""
         held = self.dram.contains(keys)
         if self.nvme is not None:
             held = [a or b for a, b in zip(held, self.nvme.contains(keys))]
@@ -332,7 +338,7 @@ class TieredStore:
     def _prune_replicas(self) -> None:
         keys = self.replicas.oldest()
         if keys:
-            self.replicas.discard([k for k, h in zip(keys, self._held(keys)) if not h])
+            self.replicas.discard([k for k, h in zip(keys, self.held(keys)) if not h])
 
     # -- moving blocks down -------------------------------------------------------
 
@@ -353,11 +359,6 @@ class TieredStore:
         if TierName.NVME in tiers and self.nvme is not None:
             n += self.nvme.remove(keys)
         return n
-
-    def count(self, counter: str, n: int = 1) -> None:
-        """Add ``n`` to one of ``counters`` (thread-safe)."""
-        with self._counters_lock:
-            setattr(self.counters, counter, getattr(self.counters, counter) + n)
 
     def make_room(self, nbytes: int) -> bool:
         """Evict synchronously until a slot of ``nbytes`` fits. False if it cannot."""
@@ -397,6 +398,7 @@ class TieredStore:
         if self.nvme is not None:
             held = self.nvme.contains([v.key for v in victims])
             to_write = []
+            skipped = 0
             with self._admission_lock:
                 for victim, present in zip(victims, held):
                     if present:
@@ -404,15 +406,18 @@ class TieredStore:
                     if self._admission.admit(victim.key):
                         to_write.append(victim)
                     else:
-                        self.counters.spill_skipped_admission += 1
+                        skipped += 1
+            if skipped:
+                self.counters.add("spill_skipped_admission", skipped)
             if to_write:
                 ok = self.nvme.write_many(
                     [(v.key, v.layout_fp, self.dram.view(v)) for v in to_write],
                     digests=[v.digest for v in to_write],
                 )
                 written = sum(ok)
-                self.counters.spilled_blocks += written
-                self.counters.spill_failures += len(ok) - written
+                self.counters.add_many(
+                    {"spilled_blocks": written, "spill_failures": len(ok) - written}
+                )
                 if written < len(ok):
                     _faults.warning(
                         "spill",
@@ -424,7 +429,7 @@ class TieredStore:
         dropped = 0
         for victim in victims:
             dropped += self.dram.drop(victim)
-        self.counters.dropped_blocks += dropped
+        self.counters.add("dropped_blocks", dropped)
         return dropped
 
     def maybe_wake_demoter(self) -> None:
@@ -438,7 +443,7 @@ class TieredStore:
                 if self._closing:
                     return
                 if self.dram.used_bytes() <= self._high_bytes:
-                    self._wake.wait(timeout=1.0)
+                    self._wake.wait(timeout=self.config.demoter_poll_s)
                 if self._closing:
                     return
             while self.dram.used_bytes() > self._low_bytes and not self._closing:
@@ -447,6 +452,29 @@ class TieredStore:
                     if not victims:
                         break
                     self._spill(victims)
+
+    # -- what services ask of the store (they never reach into its tiers) -------------
+
+    @property
+    def has_nvme(self) -> bool:
+        return self.nvme is not None
+
+    def nvme_read_bytes_per_s(self) -> float:
+        """Verified NVMe read speed measured so far (0: none yet or no NVMe)."""
+        return self.nvme.read_rate.bytes_per_s if self.nvme is not None else 0.0
+
+    def pin_count(self, owner: int) -> int:
+        return self.dram.pin_count(owner)
+
+    def not_reserved_by(self, keys: Sequence[BlockKey], owner: int) -> list[BlockKey]:
+        """The keys that are not reserved by ``owner`` (a commit would fail)."""
+        return self.dram.not_reserved_by(keys, owner)
+
+    def reserved_view(self, reservation: Reservation, nbytes: int) -> memoryview:
+        """The arena bytes of an OK reservation, for its owner to write."""
+        if reservation.status != ReserveStatus.OK:
+            raise ValueError(f"reservation of a block is {reservation.status.name}, not OK")
+        return self.arena.view(reservation.offset, nbytes)
 
     # -- inspection -------------------------------------------------------------------
 
@@ -466,9 +494,7 @@ class TieredStore:
             tiers[str(TierName.NVME)] = self.nvme.stats()
         return {
             "tiers": {name: s.to_dict() for name, s in tiers.items()},
-            "store": {
-                name: getattr(self.counters, name) for name in self.counters.__dataclass_fields__
-            },
+            "store": self.counters.snapshot(),
             "layouts": len(self._layouts),
         }
 

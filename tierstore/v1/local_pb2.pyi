@@ -230,7 +230,7 @@ class ReportTiersReply(_message.Message):
     def __init__(self) -> None: ...
 
 class StatReply(_message.Message):
-    __slots__ = ("tiers", "counters", "clients", "version", "uptime_s", "socket_path", "nvme_dir", "load")
+    __slots__ = ("tiers", "counters", "clients", "version", "uptime_s", "socket_path", "nvme_dir", "load", "failed_workers")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class StatReply(_message.Message):
     SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
     NVME_DIR_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    FAILED_WORKERS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStat]
     counters: _containers.ScalarMap[str, int]
     clients: _containers.RepeatedCompositeFieldContainer[ClientInfo]
@@ -254,4 +255,5 @@ class StatReply(_message.Message):
     socket_path: str
     nvme_dir: str
     load: _common_pb2.HostLoad
-    def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.TierStat, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., clients: _Optional[_Iterable[_Union[ClientInfo, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., socket_path: _Optional[str] = ..., nvme_dir: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.HostLoad, _Mapping]] = ...) -> None: ...
+    failed_workers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.TierStat, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., clients: _Optional[_Iterable[_Union[ClientInfo, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., socket_path: _Optional[str] = ..., nvme_dir: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.HostLoad, _Mapping]] = ..., failed_workers: _Optional[_Iterable[str]] = ...) -> None: ...
