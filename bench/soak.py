@@ -9,7 +9,7 @@ prefetches and pulls of chains only a peer sidecar holds, against one sidecar
 for ``--phase-s`` seconds, some SIGKILLed and replaced; every committed block
 must load byte-exact afterwards). The sidecar's memory is sampled throughout
 and compared with the bound derived from its config
-(``tests.reliability.memory_bounds``).
+(``tests.reliability.harness.memory_bounds``).
 
 Prints one JSON object: kills survived, restart-to-serving p50/max, faults
 injected by kind, operations done, max RSS against the configured bounds
@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.reliability import (
+from tests.reliability.harness import (
     LAYOUT,
     RssSampler,
     Sidecar,

@@ -28,7 +28,7 @@ import pytest
 
 from tierstore.client import StoreClient
 
-from . import (
+from .harness import (
     LAYOUT,
     SERVE_TIMEOUT_S,
     Sidecar,

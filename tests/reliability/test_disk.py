@@ -41,7 +41,7 @@ import pytest
 from tierstore.client import StoreClient
 from tierstore.tiers import TierName
 
-from . import LAYOUT, REPO, Sidecar, arenas_of, blocks_of, chain, count_wrong
+from .harness import LAYOUT, REPO, Sidecar, arenas_of, blocks_of, chain, count_wrong
 
 CHAIN_BLOCKS = 32
 

@@ -44,7 +44,7 @@ import pytest
 from tierstore.client import StoreClient
 from tierstore.tiers import TierName
 
-from . import BLOCK, LAYOUT, REPO, Sidecar, blocks_of, chain, count_wrong
+from .harness import BLOCK, LAYOUT, REPO, Sidecar, blocks_of, chain, count_wrong
 from .relay import DelayRelay, drop_random, listening_ports, stop_dropping, tcp_retransmits
 
 pytestmark = pytest.mark.skipif(
@@ -381,7 +381,7 @@ FIRST_LOOKUP = """
 import sys, time, grpc
 from tierstore.config import PeerConfig
 from tierstore.peer.tier import PeerClient
-from tests.reliability import LAYOUT, chain
+from tests.reliability.harness import LAYOUT, chain
 client = PeerClient(sys.argv[1], PeerConfig(), sys.argv[2])
 t0 = time.monotonic()
 try:

@@ -28,7 +28,7 @@ import pytest
 from tierstore.client import StoreClient
 
 from ..integration.sidecar import free_port
-from . import (
+from .harness import (
     BASE_RSS_BOUND_BYTES,
     LAYOUT,
     RssSampler,

@@ -65,12 +65,10 @@ class ArenaCopier:
             num_rows, row_bytes
         )
 
-    def copy_runs(
-        self, rows: torch.Tensor, offsets: Sequence[int], block_bytes: int, to_arena: bool
-    ) -> None:
-        """Copy between ``rows[j]`` and the arena slot at ``offsets[j]``,
-        merging slots that sit back to back in the arena into one copy
-        (a slab run holds consecutive blocks: 2048 blocks went 45 -> 20 ms)."""
+    def copy_runs(self, rows: torch.Tensor, offsets: Sequence[int], block_bytes: int) -> None:
+        """Copy the arena slot at ``offsets[j]`` into ``rows[j]``, merging slots
+        that sit back to back in the arena into one copy (a slab run holds
+        consecutive blocks: 2048 blocks went 45 -> 20 ms)."""
         j = 0
         while j < len(offsets):
             k = j + 1
@@ -78,10 +76,7 @@ class ArenaCopier:
                 k += 1
             arena = self.arena_tensor[offsets[j] : offsets[j] + (k - j) * block_bytes]
             span = rows[j:k].reshape(-1)
-            if to_arena:
-                self.copy(arena, span)
-            else:
-                self.copy(span, arena)
+            self.copy(span, arena)
             j = k
 
     def close(self) -> None:

@@ -95,10 +95,6 @@ class HbmTier:
             self._stats.bytes_in += nbytes
             return self.pool[offset : offset + nbytes]
 
-    def can_fit(self, nbytes: int) -> bool:
-        with self._lock:
-            return self.allocator.can_alloc(nbytes)
-
     def take_victims(self, want_bytes: int, max_blocks: int) -> list[HbmEntry]:
         """Remove victims from the policy (they stay readable) until
         ``want_bytes`` would be freed; the caller writes dirty ones down, then ``free``s."""

@@ -445,7 +445,7 @@ class StoreClient:
         with self.acquire(
             layout, keys, include_peers=include_peers, deadline_s=deadline_s
         ) as pinned:
-            self._copier.copy_runs(rows, pinned.offsets, layout.block_bytes, to_arena=False)
+            self._copier.copy_runs(rows, pinned.offsets, layout.block_bytes)
             if promote and self.hbm is not None:
                 with self._hbm_lock:
                     for key, view in zip(pinned.keys, pinned.views):

@@ -76,9 +76,6 @@ class SlabAllocator:
         """The slot size that holds ``nbytes`` (aligned up)."""
         return round_up(max(nbytes, 1), self.align_bytes)
 
-    def max_slot_bytes(self) -> int:
-        return self.capacity_bytes
-
     def can_alloc(self, nbytes: int) -> bool:
         slot = self.slot_bytes(nbytes)
         cls = self._classes.get(slot)

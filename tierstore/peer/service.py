@@ -56,7 +56,6 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self.data = data
         self.cfg = cfg
         self.loads = loads
-        self.bad_requests = 0
         self.stopping = threading.Event()
         self._watch_lock = threading.Lock()
 
@@ -66,10 +65,10 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         try:
             layout = layout_from_proto(layout_msg)
         except TierstoreError as e:
-            self.bad_requests += 1
+            self.tier.counters.add("bad_requests")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if len(raw) % KEY_BYTES or len(raw) // KEY_BYTES > MAX_PEER_KEYS:
-            self.bad_requests += 1
+            self.tier.counters.add("bad_requests")
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"keys must be a multiple of {KEY_BYTES} bytes and at most {MAX_PEER_KEYS} keys",
@@ -111,7 +110,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
     ) -> peer_pb2.ReplicateReply:
         layout, keys = self._parse(request.layout, request.keys, context)
         if not 0 < request.deadline_s <= self.cfg.replicate_timeout_s:
-            self.bad_requests += 1
+            self.tier.counters.add("bad_requests")
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"deadline_s must be in (0, {self.cfg.replicate_timeout_s}], "

@@ -68,6 +68,7 @@ PEER_COUNTERS = (
     "watchers",  # routers' WatchBlocks streams open now
     "watch_snapshots",  # snapshots sent (new watchers, and resyncs after a gap)
     "watch_refused",  # streams refused: max_watchers reached
+    "bad_requests",  # peer calls refused as malformed (INVALID_ARGUMENT)
 )
 
 

@@ -31,7 +31,7 @@ TIER_COUNTERS = (
     "read_failures",
 )
 # Counters that go down too, and flags.
-GAUGE_COUNTERS = {"peer_watchers", "peer_tls", "replica_bytes"}
+GAUGE_COUNTERS = {"peer_watchers", "peer_tls", "replica_bytes", "worker_failures"}
 
 
 class SidecarCollector(Collector):

@@ -76,8 +76,15 @@ class TieredStore:
     """DRAM over NVMe. See the module docstring."""
 
     def __init__(
-        self, config: StoreConfig, *, arena: Arena | None = None, workers: Workers | None = None
+        self,
+        config: StoreConfig,
+        *,
+        arena: Arena | None = None,
+        workers: Workers | None = None,
+        nvme: NvmeTier | None = None,
     ) -> None:
+        """``arena`` and ``nvme``: tiers built by the caller (tests pass fakes;
+        the store closes them); else built from ``config``."""
         self.config = config
         # The sidecar passes its own, so a dead demoter turns its health NOT_SERVING.
         self.workers = workers if workers is not None else Workers()
@@ -89,8 +96,8 @@ class TieredStore:
                 min(config.dram_segment_bytes, self.arena.size_bytes),
                 make_eviction_policy(config.eviction_policy),
             )
-            self.nvme: NvmeTier | None = None
-            if config.nvme_bytes > 0:
+            self.nvme: NvmeTier | None = nvme
+            if nvme is None and config.nvme_bytes > 0:
                 self.nvme = NvmeTier(
                     config.nvme_dir,
                     config.nvme_bytes,

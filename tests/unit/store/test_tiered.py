@@ -1,0 +1,164 @@
+"""TieredStore over an in-memory NVMe stand-in (tests/unit/store/fakes.py):
+what the store decides, apart from what a disk does. Run under every
+eviction policy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, cast
+
+import numpy as np
+import pytest
+
+from tierstore.config import StoreConfig
+from tierstore.keys import BlockKey, chain_keys
+from tierstore.memory.arena import Arena
+from tierstore.store.dram import ReserveStatus
+from tierstore.store.nvme import NvmeTier
+from tierstore.store.tiered import TieredStore
+from tierstore.tiers import TierName
+
+from ...conftest import SMALL_LAYOUT
+from .fakes import FakeNvme
+
+L = SMALL_LAYOUT
+BLOCKS_IN_DRAM = 16
+
+
+def data_for(keys: list[BlockKey]) -> list[bytes]:
+    return [
+        np.random.default_rng(int.from_bytes(k[:8], "little")).bytes(L.block_bytes) for k in keys
+    ]
+
+
+@pytest.fixture(params=["lru", "s3fifo"])
+def store(request, tmp_path) -> Iterator[tuple[TieredStore, FakeNvme]]:
+    cfg = StoreConfig(
+        dram_bytes=BLOCKS_IN_DRAM * L.block_bytes,
+        dram_segment_bytes=BLOCKS_IN_DRAM * L.block_bytes,
+        nvme_dir=str(tmp_path / "unused"),
+        eviction_policy=request.param,
+        demoter_poll_s=0.05,
+    )
+    nvme = FakeNvme()
+    s = TieredStore(cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, nvme))
+    yield s, nvme
+    s.close()
+    assert nvme.closed
+
+
+def keys_of(n: int, start: int = 0) -> list[BlockKey]:
+    return chain_keys(L, np.arange(start, start + n * L.block_tokens))
+
+
+def test_put_then_lookup_names_dram(store) -> None:
+    s, _ = store
+    keys = keys_of(4)
+    assert s.put(L, keys, data_for(keys)) == [True] * 4
+    assert s.lookup(L, keys) == type(s.lookup(L, keys))(4, (TierName.DRAM,) * 4)
+    assert s.get(L, keys) == data_for(keys)
+    c = s.counters.snapshot()
+    assert c["lookups"] == 2 and c["lookup_keys"] == 8 and c["lookup_hit_keys"] == 8
+
+
+def test_a_full_dram_spills_to_nvme_and_promotes_back(store) -> None:
+    s, nvme = store
+    keys = keys_of(BLOCKS_IN_DRAM * 3)
+    data = data_for(keys)
+    for i in range(0, len(keys), 4):
+        assert all(s.put(L, keys[i : i + 4], data[i : i + 4]))
+    res = s.lookup(L, keys)
+    assert res.num_hits == len(keys)  # the prefix spans both tiers, no gap
+    assert TierName.NVME in res.tiers and TierName.DRAM in res.tiers
+    for i in range(0, len(keys), 4):  # a read may pin at most what DRAM holds
+        assert s.get(L, keys[i : i + 4]) == data[i : i + 4]  # promoted back, byte-exact
+    assert s.counters.spilled_blocks == nvme.writes > 0
+
+
+def test_lookup_stops_at_the_first_block_no_tier_holds(store) -> None:
+    s, _ = store
+    keys = keys_of(6)
+    s.put(L, keys, data_for(keys))
+    s.demote(keys[:3])
+    s.drop([keys[4]])
+    assert s.lookup(L, keys).tiers == (TierName.NVME,) * 3 + (TierName.DRAM,)
+    assert s.held(keys) == [True, True, True, True, False, True]
+
+
+def test_promotion_of_a_corrupt_block_is_a_gap_never_its_bytes(store) -> None:
+    s, nvme = store
+    keys = keys_of(8)
+    data = data_for(keys)
+    s.put(L, keys, data)
+    s.demote(keys)
+    nvme.corrupt.add(keys[5])
+    entries = s.acquire(L, keys, owner=3)
+    assert [bytes(s.view(e)) for e in entries] == data[:5]
+    s.release([e.key for e in entries], owner=3)
+    assert s.pin_count(3) == 0
+    assert s.held([keys[5]]) == [False]  # dropped by the tier's verification
+    assert s.counters.promotion_failures == 1
+
+
+def test_a_read_that_raises_leaves_nothing_reserved_or_pinned(store) -> None:
+    s, nvme = store
+    keys = keys_of(6)
+    s.put(L, keys, data_for(keys))
+    s.demote(keys)
+    nvme.raise_on.add(keys[2])
+    with pytest.raises(OSError, match="injected"):
+        s.acquire(L, keys, owner=4)
+    assert s.pin_count(4) == 0
+    nvme.raise_on.clear()
+    assert len(s.acquire(L, keys, owner=4)) == 6  # the failed slot was aborted, not wedged
+    s.release(keys, owner=4)
+
+
+def test_reserve_reports_blocks_held_on_nvme_as_existing(store) -> None:
+    s, _ = store
+    keys = keys_of(3)
+    s.put(L, keys[:1], data_for(keys[:1]))
+    s.demote(keys[:1])
+    res = s.reserve(L, keys, owner=9)
+    assert [r.status for r in res] == [ReserveStatus.EXISTS, ReserveStatus.OK, ReserveStatus.OK]
+    with pytest.raises(ValueError, match="EXISTS"):
+        s.reserved_view(res[0], L.block_bytes)
+    assert s.not_reserved_by(keys, 9) == [keys[0]]
+    s.abort(keys[1:], owner=9)
+
+
+def test_failed_spills_are_counted_and_the_victims_leave_dram(store) -> None:
+    s, nvme = store
+    nvme.fail_writes = True
+    keys = keys_of(BLOCKS_IN_DRAM * 2)
+    for i in range(0, len(keys), 4):
+        s.put(L, keys[i : i + 4], data_for(keys[i : i + 4]))
+    c = s.counters.snapshot()
+    assert c["spill_failures"] > 0 and c["spilled_blocks"] == 0
+    assert c["dropped_blocks"] >= len(keys) - BLOCKS_IN_DRAM
+    assert s.lookup(L, keys[-1:]).num_hits == 1  # the newest block is still held
+
+
+def test_replicas_leave_dram_before_the_hosts_own_blocks(store) -> None:
+    s, _ = store
+    own = keys_of(BLOCKS_IN_DRAM // 2)
+    s.put(L, own, data_for(own))
+    replica = keys_of(BLOCKS_IN_DRAM // 2, start=10_000)
+    assert s.make_replica_room(len(replica) * L.block_bytes, 1 << 30)
+    s.put(L, replica, data_for(replica))
+    s.finish_replica_import(len(replica) * L.block_bytes, L, replica)
+    assert s.replica_bytes() == len(replica) * L.block_bytes
+    more = keys_of(4, start=20_000)
+    s.put(L, more, data_for(more))  # DRAM is full: someone must go
+    in_dram = [t == TierName.DRAM for t in s.lookup(L, own).tiers]
+    assert all(in_dram) and len(in_dram) == len(own)
+
+
+def test_stat_reports_counters_and_tiers(store) -> None:
+    s, _ = store
+    keys = keys_of(2)
+    s.put(L, keys, data_for(keys))
+    st: dict[str, Any] = s.stat()
+    assert set(st["tiers"]) == {"dram", "nvme"}
+    assert st["tiers"]["dram"]["num_blocks"] == 2
+    assert set(st["store"]) >= {"lookups", "promotions", "spilled_blocks", "dropped_blocks"}
