@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from tierstore.keys import KEY_BYTES, BlockKey
+from tierstore.keys import KEY_BYTES, BlockKey, unpack_keys
 from tierstore.load import HostLoadView
 from tierstore.v1 import common_pb2, peer_pb2
 from tierstore.wire import load_from_proto
@@ -91,9 +91,8 @@ class FleetIndex:
         bit = _BITS.get(msg.tier)
         if bit is None or len(msg.keys) % KEY_BYTES:
             self._broken(host, f"malformed event: tier {msg.tier}, {len(msg.keys)} key bytes")
-        raw, held = msg.keys, st.held
-        for i in range(0, len(raw), KEY_BYTES):
-            key = raw[i : i + KEY_BYTES]
+        held = st.held
+        for key in unpack_keys(msg.keys):
             bits = held.get(key, 0)
             bits = bits | bit if add else bits & ~bit
             if bits:

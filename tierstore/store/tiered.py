@@ -29,6 +29,7 @@ from tierstore.memory.arena import Arena
 from tierstore.memory.memcopy import copy_into
 from tierstore.policies import make_admission_policy, make_eviction_policy
 from tierstore.ratelog import RateLimitedLog
+from tierstore.store.base import Tier
 from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier, ReserveStatus
 from tierstore.store.events import BlockEventLog
 from tierstore.store.nvme import NvmeTier, block_digest
@@ -360,12 +361,7 @@ class TieredStore:
     ) -> int:
         """Remove blocks from the given tiers without spilling (unpinned ones)."""
         keys = check_keys(keys)
-        n = 0
-        if TierName.DRAM in tiers:
-            n += self.dram.remove(keys)
-        if TierName.NVME in tiers and self.nvme is not None:
-            n += self.nvme.remove(keys)
-        return n
+        return sum(t.remove(keys) for t in self.tiers() if t.name in tiers)
 
     def make_room(self, nbytes: int) -> bool:
         """Evict synchronously until a slot of ``nbytes`` fits. False if it cannot."""
@@ -495,10 +491,12 @@ class TieredStore:
             held[TierName.NVME] = self.nvme.held_keys()
         return seq, held
 
+    def tiers(self) -> list[Tier]:
+        """The local tiers, fastest first, behind the protocol every tier keeps."""
+        return [self.dram] if self.nvme is None else [self.dram, self.nvme]
+
     def stat(self) -> dict[str, Any]:
-        tiers: dict[str, TierStats] = {str(TierName.DRAM): self.dram.stats()}
-        if self.nvme is not None:
-            tiers[str(TierName.NVME)] = self.nvme.stats()
+        tiers: dict[str, TierStats] = {str(t.name): t.stats() for t in self.tiers()}
         return {
             "tiers": {name: s.to_dict() for name, s in tiers.items()},
             "store": self.counters.snapshot(),
