@@ -273,7 +273,7 @@ def memory_bounds(
     Every RPC a gRPC server admits may hold one received message of the
     largest size it accepts while its handler runs (larger ones are refused
     before they are read whole). The local service admits ``max_clients + 4 *
-    rpc_threads`` RPCs (tierstore/sidecar.py) of at most
+    rpc_threads`` RPCs (tierstore/sidecar/process.py) of at most
     ``server.MAX_MESSAGE_BYTES``; the peer service PEER_MAX_CONCURRENT_RPCS of
     ``peer.service.MAX_MESSAGE_BYTES`` (with ``peer_port`` set). Replies are built from at most
     ``max_batch_keys`` keys, far below either. Block bytes never travel in
