@@ -6,12 +6,19 @@ run of blocks is one streaming copy, see ``tierstore.memory.memcopy``) and
 ``as_block_rows``, which views a caller's blocks as one flat uint8 row per
 block without copying where it can.
 
+Stream contract on CUDA: every copy starts after the work the calling thread
+already queued on its current stream (the kernels that wrote a block, or
+still read a buffer a load overwrites); the client ``sync``s the side stream
+before it commits, unpins or returns, so the engine's later work sees the
+bytes; ``close`` waits for the side stream before it unpins the arena.
+
 Runs in the engine process, on the threads that call the client.
 """
 
 from __future__ import annotations
 
 import mmap
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,12 +37,28 @@ class ArenaCopier:
         self.device = device
         self._pinned_host = False
         self._stream: Any = None
+        self.register_s = 0.0  # time cudaHostRegister took (0 without CUDA)
         if cuda.available(device):
-            self._pinned_host = cuda.register_host(arena_tensor)
             self._stream = cuda.copy_stream(device)
+            t0 = time.perf_counter()
+            self._pinned_host = cuda.register_host(arena_tensor, device)
+            self.register_s = time.perf_counter() - t0
+
+    @property
+    def pinned_host(self) -> bool:
+        """Whether the arena is registered as pinned memory now."""
+        return self._pinned_host
 
     def sync(self) -> None:
         if self._stream is not None:
+            self._stream.synchronize()
+
+    def before_release(self) -> None:
+        """Wait until copies out of (or into) arena views that the calling
+        thread queued on its current stream have ended: the sidecar may
+        reuse the slots as soon as they are released."""
+        if self._stream is not None:
+            cuda.synchronize_engine(self.device)
             self._stream.synchronize()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -48,7 +71,7 @@ class ArenaCopier:
         elif self._stream is not None:
             # The side stream must not start before the work already queued on
             # the engine's stream (the kernels that wrote ``src``) has run.
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+            cuda.wait_for_engine(self._stream)
             with torch.cuda.stream(self._stream):
                 dst.copy_(src, non_blocking=True)
         else:
@@ -80,9 +103,14 @@ class ArenaCopier:
             j = k
 
     def close(self) -> None:
+        """Wait for the side stream, unpin the arena and drop this copier's
+        reference to it (the client unmaps it next). Idempotent."""
+        if self._stream is not None:
+            self._stream.synchronize()  # no DMA may touch the pages once unpinned
         if self._pinned_host:
-            cuda.unregister_host(self.arena_tensor)
             self._pinned_host = False
+            cuda.unregister_host(self.arena_tensor, self.device)
+        self.arena_tensor = torch.empty(0, dtype=torch.uint8)
 
 
 def as_block_rows(layout: KVLayout, num_blocks: int, blocks: Any) -> list[torch.Tensor]:

@@ -53,10 +53,21 @@ class PrefetchResult:
 
 class Pinned:
     """Blocks pinned in the arena; ``views[i]`` is a zero-copy uint8 tensor.
-    Release them (or use ``with``) so the sidecar may evict them again."""
+    Release them (or use ``with``) so the sidecar may evict them again.
+
+    On a CUDA client the arena is pinned memory, so a ``non_blocking`` copy
+    from a view is still running when it returns: ``release`` first waits
+    for the releasing thread's current stream (queue the copies there), as
+    the sidecar may reuse the slots at once. ``engine_copies=False`` is the
+    client's own use, whose copies it has waited for already."""
 
     def __init__(
-        self, client: StoreClient, layout: KVLayout, keys: list[BlockKey], offsets: list[int]
+        self,
+        client: StoreClient,
+        layout: KVLayout,
+        keys: list[BlockKey],
+        offsets: list[int],
+        engine_copies: bool = True,
     ) -> None:
         self.client = client
         self.layout = layout
@@ -64,12 +75,15 @@ class Pinned:
         self.offsets = offsets
         n = layout.block_bytes
         self.views = [client.arena_tensor[o : o + n] for o in offsets]
+        self._engine_copies = engine_copies
         self._released = False
 
     def release(self) -> None:
         if not self._released:
             self._released = True
             self.views = []
+            if self._engine_copies and self.keys:
+                self.client._copier.before_release()
             self.client._release(self.layout, self.keys)
 
     def __enter__(self) -> Pinned:
