@@ -121,7 +121,15 @@ class StoreClient:
         self.arena = Arena.attach(hello.arena_path, hello.arena_bytes)
         self.arena_tensor = torch.frombuffer(self.arena.buf, dtype=torch.uint8)
         self._copier = ArenaCopier(self.arena_tensor, self.device)
-        self.hbm = HbmTier(hbm_bytes, self.device) if hbm_bytes > 0 else None
+        try:
+            self.hbm = HbmTier(hbm_bytes, self.device) if hbm_bytes > 0 else None
+        except BaseException:  # e.g. CUDA out of memory: unpin and unmap before raising
+            self._copier.close()
+            del self.arena_tensor
+            self.arena.close()
+            self._attach.cancel()
+            self._channel.close()
+            raise
         self._hbm_lock = threading.Lock()
         self._layouts: dict[bytes, KVLayout] = {}
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-client")
@@ -360,12 +368,23 @@ class StoreClient:
     ) -> Pinned:
         """Pin the longest available prefix in the arena (promoting from NVMe,
         and with ``include_peers`` fetching what a peer holds, within
-        ``deadline_s``) and return zero-copy views of it. Release when done."""
-        keys = check_keys(keys)[: self.max_batch_keys]
+        ``deadline_s``) and return zero-copy views of it. Release when done
+        (on CUDA, from the thread whose current stream ran the copies)."""
+        return self._acquire(layout, check_keys(keys), include_peers, deadline_s, True)
+
+    def _acquire(
+        self,
+        layout: KVLayout,
+        keys: list[BlockKey],
+        include_peers: bool,
+        deadline_s: float,
+        engine_copies: bool,
+    ) -> Pinned:
+        keys = keys[: self.max_batch_keys]
         req = self._req(layout, keys, include_peers, deadline_s)
         reply = self._call(self._stub.Acquire, req, "acquire")
         offsets = list(reply.offsets)
-        return Pinned(self, layout, keys[: len(offsets)], offsets)
+        return Pinned(self, layout, keys[: len(offsets)], offsets, engine_copies)
 
     def _release(self, layout: KVLayout, keys: list[BlockKey]) -> None:
         if keys and self.connected:
@@ -406,9 +425,13 @@ class StoreClient:
         i = 0
         while i < len(keys):
             if in_hbm[i] and self.hbm is not None:
-                (view,) = self.hbm.get([keys[i]])
+                # Under the pool's lock: a prefetch thread evicting this block
+                # could otherwise reuse its slot between get and copy.
+                with self._hbm_lock:
+                    (view,) = self.hbm.get([keys[i]])
+                    if view is not None:
+                        self._copier.copy(rows[i], view)
                 if view is not None:
-                    self._copier.copy(rows[i], view)
                     tiers.append(TierName.HBM)
                     i += 1
                     continue
@@ -442,9 +465,7 @@ class StoreClient:
         # The local tiers label the blocks; Acquire itself asks the peers
         # (once) for what is missing here, so the lookup does not.
         local_tiers = self._sidecar_lookup(layout, keys, False)
-        with self.acquire(
-            layout, keys, include_peers=include_peers, deadline_s=deadline_s
-        ) as pinned:
+        with self._acquire(layout, keys, include_peers, deadline_s, False) as pinned:
             self._copier.copy_runs(rows, pinned.offsets, layout.block_bytes)
             if promote and self.hbm is not None:
                 with self._hbm_lock:
