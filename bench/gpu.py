@@ -163,10 +163,14 @@ def copies(n: int, tmp: Path) -> dict[str, Any]:
 
         rows = torch.empty((n, BLOCK), dtype=torch.uint8, device=DEV)
         contiguous = [j * BLOCK for j in range(n)]
+        arena_run = copier.arena_tensor[: n * BLOCK]
 
         def runs(to_arena: bool) -> Callable[[], None]:
             def go() -> None:
-                copier.copy_runs(rows, contiguous, BLOCK, to_arena=to_arena)
+                if to_arena:  # one copy of the run, as a batch written down back to back
+                    copier.copy(arena_run, rows.reshape(-1))
+                else:  # a load: copy_runs merges the consecutive slots
+                    copier.copy_runs(rows, contiguous, BLOCK)
                 copier.sync()
 
             return go
