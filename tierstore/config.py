@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from tierstore.errors import ConfigError
 
@@ -156,6 +157,14 @@ class PeerConfig:
     peer_max_rpcs: int = 64  # peer gRPC calls admitted at once; more get RESOURCE_EXHAUSTED
     peer_rpc_threads: int = 16  # threads serving the peer port's calls
     watch_heartbeat_s: float = 2.0  # a WatchBlocks stream sends the load at least this often
+    membership: str = ""  # etcd://host:port[,host:port]/prefix: live group from etcd; "": peers
+    membership_ttl_s: float = 10.0  # etcd lease: a dead member leaves within this (whole s, >= 2)
+    membership_timeout_s: float = 2.0  # deadline of one etcd call
+    membership_refresh_s: float = 5.0  # a member's changed load summary is rewritten this often
+    membership_credentials_file: str = ""  # "user:password" of an etcd user (etcd auth on)
+    membership_tls_ca_file: str = ""  # PEM CA of etcd's client port: TLS to etcd (or etcds://)
+    membership_tls_cert_file: str = ""  # PEM client certificate for etcd (mTLS)
+    membership_tls_key_file: str = ""  # PEM key of membership_tls_cert_file
 
     def __post_init__(self) -> None:
         if not 0 <= self.peer_port < 65536:
@@ -181,9 +190,29 @@ class PeerConfig:
             "fetch_timeout_s",
             "replicate_timeout_s",
             "watch_heartbeat_s",
+            "membership_timeout_s",
+            "membership_refresh_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.membership_ttl_s < 2 or self.membership_ttl_s != int(self.membership_ttl_s):
+            raise ConfigError(
+                f"membership_ttl_s must be a whole number of seconds >= 2 (etcd leases), "
+                f"got {self.membership_ttl_s}"
+            )
+        if bool(self.membership_tls_cert_file) != bool(self.membership_tls_key_file):
+            raise ConfigError(
+                "membership_tls_cert_file and membership_tls_key_file must be set together"
+            )
+        if self.membership:
+            parse_membership(self.membership)
+            if not self.group or "/" in self.group:
+                raise ConfigError(f"group must be a non-empty name without '/', got {self.group!r}")
+            if self.peers:
+                raise ConfigError(
+                    "set membership or peers, not both: with membership the group is whoever "
+                    "holds a live lease in etcd"
+                )
         for addr in self.peers:
             _check_address(addr, "peers")
         if self.advertise:
@@ -203,11 +232,52 @@ class PeerConfig:
     def address(self) -> str:
         return self.advertise or f"{self.peer_host}:{self.peer_port}"
 
+    def membership_url(self) -> MembershipURL | None:
+        """The parsed ``membership`` (None: the static ``peers`` list)."""
+        return parse_membership(self.membership) if self.membership else None
+
 
 def _check_address(addr: str, name: str) -> None:
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{name}: {addr!r} is not host:port")
+
+
+@dataclass(frozen=True)
+class MembershipURL:
+    scheme: str  # etcd | etcds (TLS)
+    endpoints: tuple[str, ...]  # host:port
+    prefix: str  # key prefix, no trailing slash: "/tierstore"
+
+    def group_prefix(self, group: str) -> bytes:
+        """Every member record of ``group`` is under this key prefix."""
+        return f"{self.prefix}/groups/{group}/members/".encode()
+
+    def member_key(self, group: str, address: str) -> bytes:
+        return self.group_prefix(group) + address.encode()
+
+
+def parse_membership(url: str) -> MembershipURL:
+    """``etcd://h1:2379,h2:2379/prefix`` -> MembershipURL; ConfigError says what is wrong."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("etcd", "etcds"):
+        raise ConfigError(
+            f"membership: {url!r}: expected etcd://host:port[,host:port]/prefix (or etcds://)"
+        )
+    if parts.query or parts.fragment or "@" in parts.netloc:
+        raise ConfigError(
+            f"membership: {url!r}: no user, query or fragment in the URL (credentials go in "
+            "membership_credentials_file)"
+        )
+    endpoints = tuple(e.strip() for e in parts.netloc.split(",") if e.strip())
+    if not endpoints:
+        raise ConfigError(f"membership: {url!r} names no etcd endpoint")
+    for e in endpoints:
+        host, sep, port = e.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"membership: endpoint {e!r} is not host:port")
+    prefix = "/" + parts.path.strip("/") if parts.path.strip("/") else "/tierstore"
+    return MembershipURL(parts.scheme, endpoints, prefix)
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,21 @@ def format_stat(stat: dict[str, Any]) -> str:
                 _human_bytes(c.get("replica_bytes", 0)),
             )
         )
+    if "membership_members" in c:
+        lines.append(
+            "group     {} members (etcd: {})  joins {}  leaves {}  registered {}  "
+            "rejoins {}  leases lost {}  etcd errors {} in {} outages".format(
+                c.get("membership_members", 0),
+                "up" if c.get("membership_etcd_up") else "UNREACHABLE: last known group kept",
+                c.get("membership_joins", 0),
+                c.get("membership_leaves", 0),
+                "yes" if c.get("membership_registered") else "no",
+                max(c.get("membership_registrations", 0) - 1, 0),
+                c.get("membership_leases_lost", 0),
+                c.get("membership_etcd_errors", 0),
+                c.get("membership_etcd_outages", 0),
+            )
+        )
     if "peer_watchers" in c:
         lines.append(
             "routers   {} watching  snapshots sent {}  refused {}".format(

@@ -1,8 +1,9 @@
 """``tierstore route`` (ask where a turn should run) and ``tierstore router``
 (run the router service); registered by ``tierstore.cli``.
 
-``route`` asks the hosts itself (``--hosts``, or router_hosts from the config)
-or a running router service (``--router``), and prints the ranking; with
+``route`` asks the hosts itself (``--hosts``, router_hosts from the config,
+or the group's live members in etcd with ``--membership``) or a running
+router service (``--router``), and prints the ranking; with
 ``--explain`` the cost breakdown of every host as a table.
 """
 
@@ -42,7 +43,11 @@ def add_parsers(sub: Any, add_config_flags: Any) -> None:
         help="N random token ids (--seed), for trying it out",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of --random-tokens")
-    p.add_argument("--hosts", help="candidates: peer host:port list, comma-separated")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("--hosts", help="candidates: peer host:port list, comma-separated")
+    hosts.add_argument(
+        "--membership", metavar="URL", help="candidates: the group's live members in etcd"
+    )
     p.add_argument(
         "--router", metavar="HOST:PORT", help="ask this router service instead of the hosts"
     )
@@ -61,7 +66,13 @@ def add_parsers(sub: Any, add_config_flags: Any) -> None:
     p.set_defaults(func=cmd_route)
 
     p = sub.add_parser("router", help="run the router service (gRPC) for a gateway")
-    p.add_argument("--hosts", help="candidates: peer host:port list, comma-separated")
+    hosts = p.add_mutually_exclusive_group()
+    hosts.add_argument("--hosts", help="candidates: peer host:port list, comma-separated")
+    hosts.add_argument(
+        "--membership",
+        metavar="URL",
+        help="candidates: the group's live members in etcd (etcd://host:port[,...]/prefix)",
+    )
     p.add_argument("--port", type=int, default=None, dest="router_port", help="port to listen on")
     p.add_argument("--watch", action="store_true", help="index the hosts' event streams")
     add_config_flags(p)
@@ -73,6 +84,8 @@ def _config(args: argparse.Namespace) -> Any:
 
     if getattr(args, "hosts", None):
         args.set.append(f"router_hosts={args.hosts}")
+    if getattr(args, "membership", None):
+        args.set.append(f"membership={args.membership}")
     if getattr(args, "watch", False):
         args.set.append("router_watch=true")
     return base_config(args)

@@ -22,11 +22,13 @@ from typing import Any
 
 import grpc
 
+from tierstore import __version__
 from tierstore.config import PeerConfig
 from tierstore.errors import TierstoreError
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, unpack_keys
 from tierstore.peer.auth import TokenAuth, is_loopback, server_ssl_context
 from tierstore.peer.data import DataServer
+from tierstore.peer.etcd_members import EtcdMembers, describe_host
 from tierstore.peer.tier import PeerTier
 from tierstore.sidecar.loadboard import LoadBoard
 from tierstore.store.tiered import TieredStore
@@ -35,6 +37,7 @@ from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
 from tierstore.wire import host_load_proto, layout_from_proto
 
 log = logging.getLogger(__name__)
+
 
 MAX_PEER_KEYS = 65536  # keys in one peer call (2 MiB of keys)
 MAX_MESSAGE_BYTES = 4 << 20
@@ -199,7 +202,10 @@ class PeerServer:
         self.data = DataServer(
             store, cfg.peer_host, cfg.max_transfers, cfg.fetch_timeout_s, server_ssl_context(cfg)
         )
-        self.tier = PeerTier(store, cfg, cfg.address())
+        self.members: EtcdMembers | None = None
+        if cfg.membership:
+            self.members = _join_group(store, cfg, loads)
+        self.tier = PeerTier(store, cfg, cfg.address(), self.members)
         self.servicer = PeerServicer(store, self.tier, self.data, cfg, loads)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(cfg.peer_rpc_threads, thread_name_prefix="tierstore-peer"),
@@ -224,9 +230,17 @@ class PeerServer:
             port = self.server.add_insecure_port(bind)
         if port == 0:
             self.data.close()
+            if self.members is not None:
+                self.members.close()
             raise TierstoreError(f"cannot listen for peers on {bind} (in use?)")
         self.server.start()
-        log.info("peer service on %s (group %s, %d peers)", bind, cfg.group, len(self.tier.clients))
+        if self.members is not None:
+            self.members.wait_synced(cfg.membership_timeout_s)  # bounded: etcd may be down
+            source = f"live from {cfg.membership}"
+        else:
+            source = "static"
+        log.info("peer service on %s (group %s, %d peers, %s)", bind, cfg.group,
+                 len(self.tier.clients), source)  # fmt: skip
         if not self.tls and not is_loopback(cfg.peer_host):
             log.warning(
                 "peer port %s listens beyond loopback without TLS: the group token and "
@@ -235,8 +249,31 @@ class PeerServer:
                 bind,
             )
 
+    def leave(self) -> None:
+        """Leave the group now (the etcd lease is revoked): the others stop
+        choosing this host for pushes while it finishes in-flight calls."""
+        if self.members is not None:
+            self.members.close()
+
     def stop(self, grace_s: float) -> None:
+        self.leave()
         self.servicer.stopping.set()  # watch streams end at their next heartbeat
         self.server.stop(grace_s).wait()
         self.tier.close()
         self.data.close()
+
+
+def _join_group(store: TieredStore, cfg: PeerConfig, loads: LoadBoard) -> EtcdMembers:
+    """Register this sidecar in etcd (address, tiers, capacity, load; no secret)."""
+
+    def load() -> dict[str, int]:
+        h = loads.host()
+        return {"busy_slots": h.busy_slots, "slots": h.slots, "queue_len": h.queue_len}
+
+    tiers = ("dram", "nvme") if store.nvme is not None else ("dram",)
+    nvme_bytes = store.config.nvme_bytes if store.nvme is not None else 0
+    describe = describe_host(
+        cfg.address(), cfg.group, tiers, store.config.dram_bytes, nvme_bytes,
+        cfg.replica_bytes, load, __version__,
+    )  # fmt: skip
+    return EtcdMembers(cfg, describe=describe)

@@ -33,6 +33,7 @@ from tierstore.keys import BlockKey, KVLayout
 from tierstore.peer import codec
 from tierstore.peer.client import PeerClient
 from tierstore.peer.data import ReceiveResult, receive_blocks
+from tierstore.peer.membership import MemberSet, PeerClients, StaticMembers
 from tierstore.policies import rendezvous_target
 from tierstore.ratelog import RateLimitedLog
 from tierstore.store.tiered import TieredStore
@@ -85,15 +86,25 @@ class _Push:
 class PeerTier:
     """The group of peers. See the module docstring."""
 
-    def __init__(self, store: TieredStore, cfg: PeerConfig, self_address: str) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        cfg: PeerConfig,
+        self_address: str,
+        members: MemberSet | None = None,
+    ) -> None:
         self.store = store
         self.cfg = cfg
         self.address = self_address
         self.counters = Counters(PEER_COUNTERS)
         token = cfg.token()
-        self.clients = {
-            addr: PeerClient(addr, cfg, token) for addr in cfg.peers if addr != self_address
-        }
+        # Who the peers are is the member set's business (the static list, or
+        # etcd's live group); this tier asks it on every use.
+        self._peers = PeerClients(
+            members if members is not None else StaticMembers(cfg.peers),
+            lambda addr: PeerClient(addr, cfg, token),
+            exclude=self_address,
+        )
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, tuple[KVLayout, list[BlockKey]]] = OrderedDict()
         self._codec_bytes_per_s = _measure_codec()
@@ -105,6 +116,11 @@ class PeerTier:
             for i in range(REPLICATOR_THREADS)
         ]
 
+    @property
+    def clients(self) -> dict[str, PeerClient]:
+        """address -> client of every live peer (this host excluded), now."""
+        return self._peers.clients()
+
     def members(self) -> list[str]:
         return [self.address, *self.clients]
 
@@ -114,12 +130,11 @@ class PeerTier:
         self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float
     ) -> tuple[PeerClient | None, int]:
         """The peer holding the longest prefix of ``keys``, asked all at once."""
-        if not keys or not self.clients:
+        clients = self.clients  # one view of the group for the whole lookup
+        if not keys or not clients:
             return None, 0
         self.counters.add("lookups")
-        futures = {
-            addr: c.lookup_future(layout, keys, timeout_s) for addr, c in self.clients.items()
-        }
+        futures = {addr: c.lookup_future(layout, keys, timeout_s) for addr, c in clients.items()}
         best: tuple[PeerClient | None, int] = (None, 0)
         for addr, fut in futures.items():
             try:
@@ -129,7 +144,7 @@ class PeerTier:
                 self.counters.add("lookup_timeouts" if stalled else "lookup_errors")
                 continue
             if hits > best[1]:
-                best = (self.clients[addr], hits)
+                best = (clients[addr], hits)
         return best
 
     def pull(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> int:
@@ -334,8 +349,7 @@ class PeerTier:
             self._pushes.put(None)
         for t in self._replicators:
             t.join(timeout=self.cfg.replicate_timeout_s + 5)
-        for c in self.clients.values():
-            c.close()
+        self._peers.close()
 
 
 def _timed_out(e: BaseException | None, deadline: float) -> bool:

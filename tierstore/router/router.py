@@ -1,19 +1,24 @@
 """The router: asks the hosts (or its index) and ranks them with the cost model.
 
-Provides ``Router``. For a request's block keys it gets, for every candidate
-host, the prefix that host holds by tier and its load: from the ``FleetIndex``
-when the host's event stream is synced and fresh (``watch=True``), else from
-one batched peer ``Lookup`` per host, all sent at once under one deadline (a
-host that does not answer in time is listed as unreachable, never waited
-for). Measured speeds a host reports (prefill, NVMe read, peer fetch) replace
-the configured ones for that host. ``tierstore.router.cost.plan`` does the rest.
+Provides ``Router``. The candidates are ``router_hosts``, or with
+``membership`` the group's live members in etcd (watched, never joined;
+the index follows hosts as they come and go). For a request's block keys
+it gets, for every candidate host, the prefix that host holds by tier and
+its load: from the ``FleetIndex`` when the host's event stream is synced
+and fresh (``watch=True``), else from one batched peer ``Lookup`` per host,
+all sent at once under one deadline (a host that does not answer in time
+is listed as unreachable, never waited for). Measured speeds a host
+reports (prefill, NVMe read, peer fetch) replace the configured ones for
+that host. ``tierstore.router.cost.plan`` does the rest.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 import grpc
 
@@ -22,6 +27,8 @@ from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.load import HostLoadView
 from tierstore.peer.client import PeerClient
+from tierstore.peer.etcd_members import EtcdMembers
+from tierstore.peer.membership import MemberSet, PeerClients, StaticMembers
 from tierstore.router.cost import HostView, Plan, Rates, plan
 from tierstore.router.feeder import IndexFeeder
 from tierstore.router.index import FleetIndex
@@ -40,21 +47,51 @@ def rates_from_config(cfg: RouterConfig) -> Rates:
 
 class Router:
     def __init__(self, cfg: RouterConfig, peer: PeerConfig) -> None:
-        if not cfg.router_hosts:
-            raise ConfigError("router_hosts is empty: name the peer address of every host")
+        if not cfg.router_hosts and not peer.membership:
+            raise ConfigError(
+                "router_hosts is empty: name the peer address of every host, or give the "
+                "group's membership (etcd://...)"
+            )
+        if cfg.router_hosts and peer.membership:
+            raise ConfigError("give router_hosts or membership, not both")
         token = peer.token()
         if not token:
             raise ConfigError("the router needs the group's peer_token (or peer_token_file)")
         self.cfg = cfg
         self.rates = rates_from_config(cfg)
-        self.clients = {h: PeerClient(h, peer, token) for h in cfg.router_hosts}
         self.index: FleetIndex | None = None
         self.feeder: IndexFeeder | None = None
+        self._fleet_lock = threading.Lock()
+        self.members: MemberSet
+        if peer.membership:
+            # The router only watches the group: it is not a member of it.
+            self.members = EtcdMembers(peer, on_change=self._fleet_changed)
+            self.members.wait_synced(peer.membership_timeout_s)
+        else:
+            self.members = StaticMembers(cfg.router_hosts)
+        self._clients = PeerClients(self.members, lambda h: PeerClient(h, peer, token))
         if cfg.router_watch:
             self.index = FleetIndex(stale_s=cfg.router_stale_s)
-            self.feeder = IndexFeeder(
-                self.index, self.clients, lambda h, e, s: self.clients[h].watch_blocks(e, s)
-            )
+            self.feeder = IndexFeeder(self.index, (), self._open_watch)
+            self._fleet_changed()
+
+    @property
+    def clients(self) -> dict[str, PeerClient]:
+        """host -> client of every candidate host now (the live group with membership)."""
+        return self._clients.clients()
+
+    def _open_watch(self, host: str, epoch: int, seq: int) -> Any:
+        client = self.clients.get(host)
+        if client is None:
+            raise ValueError(f"{host} left the group")
+        return client.watch_blocks(epoch, seq)
+
+    def _fleet_changed(self, hosts: Sequence[str] = ()) -> None:
+        # The set is read under the lock, so whichever call runs last (the
+        # first one here, or a change arriving meanwhile) leaves it current.
+        with self._fleet_lock:
+            if self.feeder is not None:
+                self.feeder.set_hosts(self.members.addresses())
 
     def route(
         self,
@@ -69,15 +106,18 @@ class Router:
     ) -> Plan:
         """Rank ``hosts`` (default: all configured) for a prompt of
         ``num_tokens`` tokens whose full blocks have ``keys``."""
-        candidates = list(dict.fromkeys(hosts or self.clients))
-        unknown = [h for h in candidates if h not in self.clients]
+        clients = self.clients  # one view of the fleet for the whole request
+        candidates = list(dict.fromkeys(hosts or clients))
+        unknown = [h for h in candidates if h not in clients]
         if unknown:
-            raise ValueError(f"not configured hosts: {unknown}; known: {sorted(self.clients)}")
+            raise ValueError(f"not configured hosts: {unknown}; known: {sorted(clients)}")
+        if not candidates:
+            raise ValueError("no candidate hosts: the group has no live member")
         if len(keys) * layout.block_tokens > num_tokens:
             raise ValueError(
                 f"{len(keys)} blocks of {layout.block_tokens} tokens exceed num_tokens {num_tokens}"
             )
-        views = self._views(layout, keys, candidates)
+        views = self._views(layout, keys, candidates, clients)
         if loads:
             views = [replace(v, load=loads[v.host]) if v.host in loads else v for v in views]
         return plan(
@@ -86,8 +126,9 @@ class Router:
         )  # fmt: skip
 
     def _views(
-        self, layout: KVLayout, keys: Sequence[BlockKey], hosts: list[str]
-    ) -> list[HostView]:
+        self, layout: KVLayout, keys: Sequence[BlockKey], hosts: list[str],
+        clients: Mapping[str, PeerClient],
+    ) -> list[HostView]:  # fmt: skip
         now = time.monotonic()
         views: dict[str, HostView] = {}
         if self.index is not None:
@@ -103,7 +144,7 @@ class Router:
                         source="index",
                     )
         asked = {
-            h: self.clients[h].lookup_future(layout, keys, self.cfg.router_lookup_timeout_s)
+            h: clients[h].lookup_future(layout, keys, self.cfg.router_lookup_timeout_s)
             for h in hosts
             if h not in views
         }
@@ -121,7 +162,7 @@ class Router:
         return [views[h] for h in hosts]
 
     def close(self) -> None:
+        self.members.close()  # no more fleet changes from here on
         if self.feeder is not None:
             self.feeder.close()
-        for c in self.clients.values():
-            c.close()
+        self._clients.close()

@@ -154,6 +154,8 @@ class Sidecar:
             self._stopped.wait(timeout=self.config.server.shutdown_grace_s + 30)
             return
         self.stopping.set()
+        if self.peer_server is not None:
+            self.peer_server.leave()  # out of the group before the grace period, not after
         self.health.enter_graceful_shutdown()
         self.grpc_server.stop(self.config.server.shutdown_grace_s).wait()
         if self.metrics_server is not None:

@@ -453,6 +453,9 @@ def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
         )
         counters["replica_bytes"] = servicer.store.replica_bytes()
         counters["peer_tls"] = int(servicer.peer_server.tls)
+        if servicer.peer_server.members is not None:
+            members = servicer.peer_server.members.counters.snapshot()
+            counters.update({f"membership_{k}": v for k, v in members.items()})
     pf = servicer.prefetcher.counters.snapshot()
     counters.update({f"prefetch_{k}": v for k, v in pf.items()})
     failed = servicer.store.workers.failed()

@@ -1,0 +1,170 @@
+"""Group membership: which sidecars make up the group right now.
+
+Provides:
+- ``MemberSet``: the protocol the peer tier and the router ask for the live
+  peer addresses (``addresses``) and a number that changes whenever the set
+  does (``version``); ``StaticMembers`` is the configured ``peers`` list
+  (the default, no etcd), ``tierstore.peer.etcd_members.EtcdMembers`` the
+  live set from etcd leases;
+- ``PeerClients``: a ``PeerClient`` per live member, made when a member first
+  appears and kept (with its link measurements) if it leaves and returns;
+- ``Member``: the record a sidecar publishes in etcd (group, peer address,
+  tiers, capacity, load summary; never a secret), its JSON encoding and
+  strict decoding (a malformed record is None: ignored and counted).
+
+Pure except ``PeerClients``, which opens gRPC channels. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from tierstore.peer.client import PeerClient
+
+RECORD_VERSION = 1
+MAX_RECORD_BYTES = 4096  # a member record is small; a larger value is not ours
+KEPT_CLIENTS = 256  # clients of departed members kept for their return (then closed)
+
+
+class MemberSet(Protocol):
+    """The peer addresses (host:port) of the group's live members."""
+
+    @property
+    def version(self) -> int:
+        """Changes whenever ``addresses`` does (callers cache on it)."""
+        ...
+
+    def addresses(self) -> list[str]: ...
+
+    def close(self) -> None: ...
+
+
+class StaticMembers:
+    """The configured list: never changes."""
+
+    version = 0
+
+    def __init__(self, addresses: Sequence[str]) -> None:
+        self._addresses = list(dict.fromkeys(addresses))
+
+    def addresses(self) -> list[str]:
+        return list(self._addresses)
+
+    def close(self) -> None:
+        pass
+
+
+class PeerClients:
+    """PeerClients of the live members other than ``exclude`` (this host).
+    ``clients()`` is cheap while the set is unchanged (one version check)."""
+
+    def __init__(
+        self, members: MemberSet, make: Callable[[str], PeerClient], exclude: str = ""
+    ) -> None:
+        self.members = members
+        self._make = make
+        self._exclude = exclude
+        self._lock = threading.Lock()
+        self._known: OrderedDict[str, PeerClient] = OrderedDict()
+        self._current: dict[str, PeerClient] = {}
+        self._version: int | None = None
+
+    def clients(self) -> dict[str, PeerClient]:
+        """address -> client of every live member; do not modify the dict."""
+        version = self.members.version  # read first: a change after it rebuilds next time
+        with self._lock:
+            if version == self._version:
+                return self._current
+            current: dict[str, PeerClient] = {}
+            for addr in self.members.addresses():
+                if addr == self._exclude:
+                    continue
+                client = self._known.get(addr)
+                if client is None:
+                    client = self._known[addr] = self._make(addr)
+                self._known.move_to_end(addr)
+                current[addr] = client
+            # Live members were moved to the end: the oldest beyond the bound
+            # are departed ones, unused for the longest.
+            retired = []
+            while len(self._known) > max(KEPT_CLIENTS, len(current)):
+                retired.append(self._known.popitem(last=False)[1])
+            self._current, self._version = current, version
+        for client in retired:
+            client.close()
+        return current
+
+    def close(self) -> None:
+        with self._lock:
+            clients = list(self._known.values())
+            self._known.clear()
+            self._current = {}
+            self._version = None
+        for c in clients:
+            c.close()
+
+
+@dataclass(frozen=True)
+class Member:
+    """What a sidecar says about itself in etcd. Informational beyond
+    ``address``: peers and routers use the address; people and tools read
+    the rest (``etcdctl get --prefix <prefix>/groups/<group>/``)."""
+
+    address: str
+    group: str
+    tiers: tuple[str, ...] = ()
+    dram_bytes: int = 0
+    nvme_bytes: int = 0
+    replica_budget_bytes: int = 0
+    load: dict[str, int] = field(default_factory=dict)  # busy_slots, slots, queue_len
+    version: str = ""  # tierstore version
+    pid: int = 0
+
+    def encode(self) -> bytes:
+        d = asdict(self)
+        d["tiers"] = list(self.tiers)
+        d["v"] = RECORD_VERSION
+        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_member(key: bytes, value: bytes, key_prefix: bytes) -> Member | None:
+    """The record stored under ``key``, or None when it is not a well-formed
+    member record of this group (its address must match its key)."""
+    if not key.startswith(key_prefix) or len(value) > MAX_RECORD_BYTES:
+        return None
+    try:
+        d: Any = json.loads(value)
+        address = key[len(key_prefix) :].decode()
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(d, dict) or d.get("v") != RECORD_VERSION or d.get("address") != address:
+        return None
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    try:
+        load = d.get("load", {})
+        return Member(
+            address=address,
+            group=str(d["group"]),
+            tiers=tuple(str(t) for t in d.get("tiers", ())),
+            dram_bytes=int(d.get("dram_bytes", 0)),
+            nvme_bytes=int(d.get("nvme_bytes", 0)),
+            replica_budget_bytes=int(d.get("replica_budget_bytes", 0)),
+            load={str(k): int(v) for k, v in load.items()} if isinstance(load, dict) else {},
+            version=str(d.get("version", "")),
+            pid=int(d.get("pid", 0)),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def diff(before: Sequence[str], after: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(joined, left) between two address lists, each in the order given."""
+    b, a = set(before), set(after)
+    return [x for x in after if x not in b], [x for x in before if x not in a]
