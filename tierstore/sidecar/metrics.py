@@ -31,7 +31,10 @@ TIER_COUNTERS = (
     "read_failures",
 )
 # Counters that go down too, and flags.
-GAUGE_COUNTERS = {"peer_watchers", "peer_tls", "replica_bytes", "worker_failures"}
+GAUGE_COUNTERS = {
+    "peer_watchers", "peer_tls", "replica_bytes", "worker_failures",
+    "membership_members", "membership_etcd_up", "membership_registered",
+}  # fmt: skip
 
 
 class SidecarCollector(Collector):
