@@ -206,6 +206,10 @@ class EtcdMembers:
                     break
                 self._down(e)
                 wait_s = self._backoff(wait_s)
+            except ValueError:  # the client was closed under a call: only while stopping
+                if not self._stop.is_set():
+                    raise
+                break
         self._leave()
 
     def _put(self, value: bytes, lease: int) -> None:
@@ -223,7 +227,7 @@ class EtcdMembers:
             return
         try:
             self.etcd.revoke(lease)
-        except grpc.RpcError as e:
+        except (grpc.RpcError, ValueError) as e:  # ValueError: closed meanwhile
             log.info("could not revoke the membership lease (%s); it expires in %d s",
                      _text(e), self.ttl_s)  # fmt: skip
         self.counters.set("registered", 0)
@@ -261,6 +265,10 @@ class EtcdMembers:
                         self.etcd.failed(stream.endpoint)
                 self.counters.add("watch_resyncs")
                 wait_s = self._backoff(wait_s)
+            except ValueError:  # the client was closed under a call: only while stopping
+                if not self._stop.is_set():
+                    raise
+                break
             finally:
                 with self._lock:
                     self._watch = None

@@ -276,4 +276,4 @@ def _join_group(store: TieredStore, cfg: PeerConfig, loads: LoadBoard) -> EtcdMe
         cfg.address(), cfg.group, tiers, store.config.dram_bytes, nvme_bytes,
         cfg.replica_bytes, load, __version__,
     )  # fmt: skip
-    return EtcdMembers(cfg, describe=describe)
+    return EtcdMembers(cfg, describe=describe, workers=store.workers)
