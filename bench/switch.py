@@ -94,9 +94,11 @@ from switchhosts import (  # noqa: E402
     scaled_bytes,
 )
 from switchsim import (  # noqa: E402
+    CHURN,
     PUBLIC_DELTA_BYTES,
     SimConfig,
     Workload,
+    churn_sweep,
     fleet_sweep,
     percentile,
     shares,
@@ -527,8 +529,11 @@ def sim_main(args: argparse.Namespace) -> dict[str, Any]:
     routing_rows = [
         r for r in fleet_sweep(hosts, sph, (1.0,), seeds, router_hosts=hosts) if r["replication"]
     ]
+    churn_rows = churn_sweep(seeds=(1,) if args.quick else (1, 2, 3))
     return {
         "mode": "simulate",
+        "churn": [list(e) for e in CHURN],
+        "churn_rows": churn_rows,
         "duration_s": base.duration_s,
         "import_fixed_s": base.import_fixed_s,
         "push_deadline_s": base.push_deadline_s,

@@ -15,6 +15,8 @@ Provides:
   (``tierstore.router.cost.plan``) over what the simulated hosts hold and
   their slots and queues: the turn goes to the host with the least
   estimated TTFT, and the replica to the plan's spill host;
+- ``churn_sweep``: the same fleet with hosts dying and joining during the
+  run, every host's peer list static against live membership (etcd leases);
 - ``simulate``: a discrete-event model of N hosts x 4 slots with either
   placement policy and one FIFO of waiting turns for the fleet
   (``policy="affinity"``: the head of the FIFO takes its affinity host or
@@ -225,6 +227,17 @@ class SimConfig:
     policy: str = "affinity"  # affinity (with a spill) | router (least estimated TTFT)
     dram_load_bytes_per_s: float = 10e9  # a held block's load into the engine (both policies)
     workload: Workload = field(default_factory=Workload)
+    # Hosts that come and go (affinity placement only): ``extra_hosts`` more
+    # hosts exist but are down at the start; ``churn`` is (time s, "join" |
+    # "leave", host index) events (a host that left does not come back).
+    # ``membership``: "static" (every host's list is the hosts up at the
+    # start: a dead one stays a replica target, a new one is never used) or
+    # "live" (etcd: a new host is seen at once, a dead one after
+    # ``membership_ttl_s``).
+    extra_hosts: int = 0
+    churn: tuple[tuple[float, str, int], ...] = ()
+    membership: str = "static"
+    membership_ttl_s: float = 10.0
 
 
 @dataclass(slots=True)
@@ -245,13 +258,21 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     load balance and replica traffic."""
     if cfg.policy not in ("affinity", "router"):
         raise ValueError(f"policy must be affinity or router, got {cfg.policy!r}")
+    if cfg.membership not in ("static", "live"):
+        raise ValueError(f"membership must be static or live, got {cfg.membership!r}")
+    if (cfg.churn or cfg.extra_hosts) and cfg.policy != "affinity":
+        raise ValueError("hosts joining and leaving are simulated with affinity placement only")
     wl = cfg.workload
     block_bytes = wl.block_tokens * wl.bytes_per_token
-    members = [f"host-{i:02d}" for i in range(cfg.hosts)]
-    free = {m: cfg.slots_per_host for m in members}
-    held: dict[str, dict[str, int]] = {m: {} for m in members}  # host -> conversation -> blocks
-    up_free = dict.fromkeys(members, 0.0)
-    busy_s = dict.fromkeys(members, 0.0)  # slot-seconds served per host
+    everyone = [f"host-{i:02d}" for i in range(cfg.hosts + cfg.extra_hosts)]
+    up = set(everyone[: cfg.hosts])
+    # The group as placement and kv_share see it (the configured list, or
+    # etcd's live set): what rendezvous hashing runs over.
+    members = everyone[: cfg.hosts]
+    free = {m: cfg.slots_per_host if m in up else 0 for m in everyone}
+    held: dict[str, dict[str, int]] = {m: {} for m in everyone}  # host -> conversation -> blocks
+    up_free = dict.fromkeys(everyone, 0.0)
+    busy_s = dict.fromkeys(everyone, 0.0)  # slot-seconds served per host
     router = RoutedPlacement(members, cfg.slots_per_host, wl, cfg)
     sessions = [_Session(i, wl.rng(i)) for i in range(cfg.sessions)]
     events: list[tuple[float, int, str, Any]] = []
@@ -264,6 +285,13 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
 
     for s in sessions:
         push_event(s.rng.uniform(0, wl.think_mean_s), "arrive", s)
+    for t, what, index in cfg.churn:
+        if what not in ("join", "leave") or not 0 <= index < len(everyone):
+            raise ValueError(f"churn event {(t, what, index)!r}: (time, join|leave, host index)")
+        push_event(t, what, everyone[index])
+    gone: set[str] = set()
+    pushes_to_dead = 0
+    joined_turns = 0
     waiting: list[tuple[_Session, int, float]] = []  # (session, prompt, arrival): one FIFO
     outcomes: list[str] = []
     send_s: list[float] = []
@@ -275,8 +303,9 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     dropped = 0
 
     def start(s: _Session, prompt: int, host: str, now: float, arrived: float) -> None:
-        nonlocal turns
+        nonlocal turns, joined_turns
         turns += 1
+        joined_turns += host not in everyone[: cfg.hosts]
         free[host] -= 1
         reuse = min(held[host].get(s.name, 0) * wl.block_tokens, prompt)
         if s.last_host is not None and host != s.last_host:
@@ -339,12 +368,17 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             place_waiting(now)
         elif kind == "end":
             s, prompt, host = data
-            free[host] += 1
             s.context = prompt + wl.output(s.rng)
             s.last_host = host
             blocks = s.context // wl.block_tokens
-            held[host][s.name] = max(held[host].get(s.name, 0), blocks)
-            target = spill_target(s, host)
+            target = None
+            if host in up:  # a turn on a host that died meanwhile left nothing behind
+                free[host] += 1
+                held[host][s.name] = max(held[host].get(s.name, 0), blocks)
+                target = spill_target(s, host)
+            if target is not None and target not in up:
+                pushes_to_dead += 1  # a static list (or a live one within its TTL): lost
+                target = None
             if cfg.replication and target is not None and s.context >= cfg.min_tokens:
                 missing = blocks - held[target].get(s.name, 0)
                 if missing > 0:
@@ -365,8 +399,28 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             place_waiting(now)
         elif kind == "replica":
             target, name, blocks, nbytes = data
-            held[target][name] = max(held[target].get(name, 0), blocks)
-            sent_bytes += nbytes
+            if target in up:
+                held[target][name] = max(held[target].get(name, 0), blocks)
+                sent_bytes += nbytes
+        elif kind == "join":
+            if data in gone or data in up:
+                raise ValueError(f"{data} cannot join: it is up or it left before")
+            up.add(data)
+            free[data] = cfg.slots_per_host
+            if cfg.membership == "live":  # seen within a watch round trip
+                members = sorted({*members, data})
+            place_waiting(now)
+        elif kind == "leave":
+            if data not in up:
+                raise ValueError(f"{data} cannot leave: it is not up")
+            up.discard(data)
+            gone.add(data)
+            free[data] = 0
+            held[data].clear()
+            if cfg.membership == "live":  # its lease expires one TTL later
+                push_event(now + cfg.membership_ttl_s, "expire", data)
+        elif kind == "expire":
+            members = [m for m in members if m != data]
     per_host_mbps = sent_bytes * 8 / cfg.duration_s / 1e6 / cfg.hosts
     loads = list(busy_s.values())
     return {
@@ -384,12 +438,54 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         # Load balance: the busiest host's slot-seconds over the mean host's.
         "busy_max_over_mean": max(loads) / statistics.fmean(loads) if any(loads) else None,
         "pushes_dropped": dropped,
+        "pushes_to_dead": pushes_to_dead,
+        "turns_on_joined_hosts": joined_turns,
+        "membership": cfg.membership,
         "send_p50_s": percentile(send_s, 50),
         "send_p90_s": percentile(send_s, 90),
         "replica_bytes": sent_bytes,
         "replica_mbps_per_host": per_host_mbps,
         "link_util_mean": per_host_mbps * 1e6 / cfg.link_bits_per_s,
     }
+
+
+# Two hosts die and two new ones join during the 90 minutes of an 8-host fleet.
+CHURN = ((1200.0, "leave", 3), (1800.0, "join", 8), (2400.0, "leave", 5), (3000.0, "join", 9))
+
+
+def churn_sweep(
+    seeds: Sequence[int] = (1, 2, 3), base: SimConfig | None = None,
+    ttls_s: Sequence[float] = (10.0, 60.0),
+) -> list[dict[str, Any]]:  # fmt: skip
+    """8 hosts x 4 slots, 6 sessions per host, 1 Gbit/s, affinity placement:
+    a fixed fleet; then ``CHURN`` with every host's list static; then with
+    live membership at each lease TTL in ``ttls_s``. Means over ``seeds``."""
+    base = base or SimConfig()
+    fleet = replace(base, hosts=8, sessions=48, policy="affinity", replication=True)
+    churned = replace(fleet, extra_hosts=2, churn=CHURN)
+    cases: list[tuple[str, SimConfig]] = [("fixed fleet", fleet), ("static list", churned)]
+    cases += [
+        (f"live, TTL {ttl:g} s", replace(churned, membership="live", membership_ttl_s=ttl))
+        for ttl in ttls_s
+    ]
+    rows = []
+    for name, cfg in cases:
+        runs = [simulate(replace(cfg, workload=replace(cfg.workload, seed=s))) for s in seeds]
+        row: dict[str, Any] = {"case": name, "seeds": len(seeds), "membership": cfg.membership}
+        for key in (
+            "switches",
+            "turns",
+            "replica_bytes",
+            "pushes_to_dead",
+            "turns_on_joined_hosts",
+        ):
+            row[key] = sum(r[key] for r in runs)
+        for key in ("warm", "partly_warm", "cold", "ttft_mean_s", "ttft_p90_s",
+                    "replica_mbps_per_host", "busy_max_over_mean"):  # fmt: skip
+            vals = [r[key] for r in runs if r[key] is not None]
+            row[key] = statistics.fmean(vals) if vals else None
+        rows.append(row)
+    return rows
 
 
 def fleet_sweep(

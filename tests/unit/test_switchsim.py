@@ -101,3 +101,30 @@ def test_the_router_waits_for_the_host_holding_a_long_prefix() -> None:
     short = {"h0": bytes([DRAM]) * (2000 // wl.block_tokens)}
     moved = placement.plan("s", 2500, "h0", short, {"h0": 4, "h1": 0}, {"h0": 0, "h1": 0})
     assert moved.best is not None and moved.best.host == "h1"  # 0.3 s of prefill < the wait
+
+
+CHURNED = SimConfig(
+    hosts=4, sessions=24, duration_s=1800, extra_hosts=1,
+    churn=((400.0, "leave", 1), (600.0, "join", 4)),
+)  # fmt: skip
+
+
+def test_a_static_list_pushes_to_the_dead_and_never_uses_a_new_host() -> None:
+    r = simulate(CHURNED)
+    assert r["pushes_to_dead"] > 0 and r["turns_on_joined_hosts"] == 0
+
+
+def test_live_membership_stops_pushing_to_the_dead_after_the_ttl_and_uses_new_hosts() -> None:
+    live = simulate(replace(CHURNED, membership="live", membership_ttl_s=10.0))
+    slow = simulate(replace(CHURNED, membership="live", membership_ttl_s=300.0))
+    assert live["turns_on_joined_hosts"] > 0
+    assert live["pushes_to_dead"] < slow["pushes_to_dead"] < simulate(CHURNED)["pushes_to_dead"]
+
+
+def test_bad_churn_is_refused() -> None:
+    with pytest.raises(ValueError, match="join\\|leave"):
+        simulate(replace(CHURNED, churn=((1.0, "explode", 0),)))
+    with pytest.raises(ValueError, match="cannot join"):
+        simulate(replace(CHURNED, churn=((1.0, "join", 0),)))  # already up
+    with pytest.raises(ValueError, match="affinity"):
+        simulate(replace(CHURNED, policy="router"))
