@@ -30,21 +30,37 @@ def etcd_binary() -> str | None:
 class EtcdProcess:
     """One etcd member on 127.0.0.1, data in ``root``; ``endpoint`` is host:port."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, tls: dict[str, Path] | None = None) -> None:
+        """``tls``: {"cert", "key", "ca"} PEM files: the client port speaks TLS
+        and requires client certificates signed by "ca"."""
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError(SKIP_REASON)
         self.binary = binary
         self.root = root
+        self.tls = tls
         self.client_port, self.peer_port = free_port(), free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
+    def channel(self) -> grpc.Channel:
+        if self.tls is None:
+            return grpc.insecure_channel(self.endpoint)
+        creds = grpc.ssl_channel_credentials(
+            self.tls["ca"].read_bytes(), self.tls["key"].read_bytes(),
+            self.tls["cert"].read_bytes(),
+        )  # fmt: skip
+        return grpc.secure_channel(self.endpoint, creds)
+
     def start(self, timeout_s: float = 30.0) -> None:
         """Start (or start again on the same data and ports) and wait until it answers."""
-        client = f"http://{self.endpoint}"
+        client = f"{'https' if self.tls else 'http'}://{self.endpoint}"
         peer = f"http://127.0.0.1:{self.peer_port}"
+        tls_args: list[str] = []
+        if self.tls is not None:
+            tls_args = ["--cert-file", str(self.tls["cert"]), "--key-file", str(self.tls["key"]),
+                        "--trusted-ca-file", str(self.tls["ca"]), "--client-cert-auth"]  # fmt: skip
         log = open(self.root / "etcd.log", "ab")
         self.proc = subprocess.Popen(
             [
@@ -52,12 +68,13 @@ class EtcdProcess:
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"test={peer}", "--log-level", "error", "--logger", "zap",
+                *tls_args,
             ],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         log.close()
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.endpoint) as ch:
+        with self.channel() as ch:
             kv = pb_grpc.KVStub(ch)
             while True:
                 if self.proc.poll() is not None:
@@ -65,13 +82,28 @@ class EtcdProcess:
                 try:
                     kv.Range(pb.RangeRequest(key=b"ping"), timeout=1.0)
                     return
-                except grpc.RpcError:
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # auth on: it answers
+                        return
                     if time.monotonic() > deadline:
                         self.kill()
                         raise TimeoutError(
                             f"etcd not ready in {timeout_s} s: {self.output()}"
                         ) from None
                     time.sleep(0.1)
+
+    def etcdctl(self, *args: str) -> str:
+        """Run etcdctl against this etcd (users, roles, auth); needs etcd-client."""
+        ctl = shutil.which("etcdctl")
+        if ctl is None:
+            raise RuntimeError("etcdctl is not installed (apt-get install etcd-client)")
+        out = subprocess.run(
+            [ctl, "--endpoints", self.endpoint, *args], capture_output=True, text=True,
+            timeout=30, env={"ETCDCTL_API": "3", "PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+        if out.returncode != 0:
+            raise RuntimeError(f"etcdctl {' '.join(args)}: {out.stderr}")
+        return out.stdout
 
     def output(self) -> str:
         path = self.root / "etcd.log"
