@@ -158,6 +158,8 @@ def cmd_route(args: argparse.Namespace) -> int:
                 layout, keys, len(tokens), session=args.session, current_host=args.current,
                 loads=loads,
             )  # fmt: skip
+        except ValueError as e:  # e.g. no live member (etcd unreachable, empty group)
+            raise TierstoreError(str(e)) from None
         finally:
             router.close()
     if args.json:

@@ -112,7 +112,10 @@ class Router:
         if unknown:
             raise ValueError(f"not configured hosts: {unknown}; known: {sorted(clients)}")
         if not candidates:
-            raise ValueError("no candidate hosts: the group has no live member")
+            raise ValueError(
+                "no candidate hosts: the group has no live member (is etcd reachable, and do "
+                "the sidecars use the same membership prefix and group?)"
+            )
         if len(keys) * layout.block_tokens > num_tokens:
             raise ValueError(
                 f"{len(keys)} blocks of {layout.block_tokens} tokens exceed num_tokens {num_tokens}"

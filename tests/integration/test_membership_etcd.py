@@ -1,6 +1,7 @@
-"""Membership against a real etcd that asks for more: TLS with client
-certificates (mTLS), user/password authentication with the credentials in a
-file, and a list of endpoints whose first one is dead.
+"""``EtcdMembers`` against a real etcd: TLS with client certificates (mTLS),
+user/password authentication with the credentials in a file, a list of
+endpoints whose first one is dead, and a record deleted behind a member's
+back (put back under the same lease); and `tierstore route` with no etcd.
 
 ``EtcdMembers`` runs in this process (a registering member and a watching
 router-like one); the sidecar wiring is tested in test_membership.py.
@@ -9,7 +10,11 @@ Skipped when etcd (or, for auth, etcdctl; for TLS, openssl) is missing.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,8 +25,9 @@ import pytest
 from tierstore.config import PeerConfig
 from tierstore.peer.etcd_members import EtcdMembers, describe_host
 
+from ..conftest import SMALL_LAYOUT
 from .etcd import SKIP_REASON, EtcdProcess, etcd_binary
-from .sidecar import free_port
+from .sidecar import REPO, free_port
 from .test_peer_tls import _certs
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason=SKIP_REASON)
@@ -122,3 +128,33 @@ def test_a_dead_first_endpoint_is_skipped(tmp_path: Path) -> None:
             assert a.etcd.endpoint == etcd.endpoint
     finally:
         etcd.stop()
+
+
+def test_a_deleted_record_is_put_back(tmp_path: Path) -> None:
+    (tmp_path / "etcd").mkdir()
+    etcd = EtcdProcess(tmp_path / "etcd")
+    try:
+        url = f"etcd://{etcd.endpoint}/deleted"
+        with members(url, True) as a, members(url, False) as watcher:
+            wait_for("the watcher sees the member", lambda: len(watcher.addresses()) == 1)
+            key = a.url.member_key(a.cfg.group, a.cfg.address())
+            leases = a.counters.registrations
+            a.etcd.delete(key)  # an operator's `etcdctl del`, say
+            wait_for("the record is back", lambda: len(a.etcd.range_prefix(key).kvs) == 1)
+            wait_for("the watcher sees it again", lambda: len(watcher.addresses()) == 1)
+            assert a.counters.registrations == leases  # the same lease: no rejoin needed
+            assert watcher.counters.leaves >= 1 and watcher.counters.joins >= 2
+    finally:
+        etcd.stop()
+
+
+def test_route_with_no_reachable_etcd_says_so() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "route", "--layout",
+         json.dumps(SMALL_LAYOUT.to_dict()), "--random-tokens", "64",
+         "--membership", f"etcd://127.0.0.1:{free_port()}/nobody", "--set", "peer_token=t",
+         "--set", "membership_timeout_s=0.5"],
+        capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "no candidate hosts" in out.stderr and "Traceback" not in out.stderr
