@@ -40,12 +40,14 @@ def test_the_hf_adapter_loads_only_the_engine_side() -> None:
     assert not {m for m in mods if m.startswith(("tierstore.store", "tierstore.sidecar"))}
 
 
-def test_the_router_loads_only_the_peer_client_and_auth() -> None:
+def test_the_router_loads_only_the_peer_client_auth_and_membership() -> None:
     mods = loaded_by("import tierstore.router.service, tierstore.router.router")
     assert "lmdb" not in mods
     assert not {m for m in mods if m.startswith(("tierstore.store", "tierstore.sidecar"))}
     peer = {m for m in mods if m.startswith("tierstore.peer.")}
-    assert peer <= {"tierstore.peer.client", "tierstore.peer.auth"}, peer
+    allowed = {"tierstore.peer.client", "tierstore.peer.auth", "tierstore.peer.membership",
+               "tierstore.peer.etcd", "tierstore.peer.etcd_members"}  # fmt: skip
+    assert peer <= allowed, peer
 
 
 def _module_name(path: Path) -> str:
