@@ -57,7 +57,7 @@ MAX_WAIT_S = 60.0
 def settings(url: str, port: int, ttl: int) -> list[str]:
     return [
         f"peer_port={port}", f"peer_token={TOKEN}", f"membership={url}",
-        f"membership_ttl_s={ttl}", "membership_timeout_s=1", "min_tokens=16",
+        f"membership_ttl_s={ttl}", "membership_timeout_s=0.5", "min_tokens=16",
         "shutdown_grace_s=0.5", "dram_segment_bytes=1MiB",
     ]  # fmt: skip
 

@@ -200,6 +200,12 @@ class PeerConfig:
                 f"membership_ttl_s must be a whole number of seconds >= 2 (etcd leases), "
                 f"got {self.membership_ttl_s}"
             )
+        if self.membership_timeout_s >= self.membership_ttl_s / 2:
+            raise ConfigError(
+                f"membership_timeout_s ({self.membership_timeout_s}) must be under half of "
+                f"membership_ttl_s ({self.membership_ttl_s}): a renewal that hangs that long "
+                "would let the lease expire"
+            )
         if bool(self.membership_tls_cert_file) != bool(self.membership_tls_key_file):
             raise ConfigError(
                 "membership_tls_cert_file and membership_tls_key_file must be set together"

@@ -78,7 +78,7 @@ class Fleet:
             "--set", f"peer_port={port}", "--set", f"peer_token={TOKEN}",
             "--set", "min_tokens=64", "--set", "shutdown_grace_s=0.5",
             "--set", f"membership={self.url}", "--set", f"membership_ttl_s={TTL_S}",
-            "--set", "membership_timeout_s=1",
+            "--set", "membership_timeout_s=0.5",
             dram="4MiB",
         )  # fmt: skip
         return address
@@ -269,7 +269,9 @@ def test_router_routes_over_the_live_set(fleet: Fleet) -> None:
     keys, data = turn(20, 6_000_000)
     with StoreClient(str(fleet.sock(holder))) as c:
         assert all(c.store(L, keys, data))
-    peer = PeerConfig(peer_token=TOKEN, membership=fleet.url, membership_ttl_s=TTL_S)
+    peer = PeerConfig(
+        peer_token=TOKEN, membership=fleet.url, membership_ttl_s=TTL_S, membership_timeout_s=0.5
+    )
     for watch in (False, True):
         router = Router(RouterConfig(router_watch=watch), peer)
         try:

@@ -48,7 +48,7 @@ def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = WAIT_S) -> 
 def members(url: str, register: bool, **settings: object) -> Iterator[EtcdMembers]:
     cfg = PeerConfig(
         peer_port=free_port(), peer_token="t", membership=url, membership_ttl_s=2,
-        membership_timeout_s=1, **settings,  # type: ignore[arg-type]
+        membership_timeout_s=0.5, **settings,  # type: ignore[arg-type]
     )  # fmt: skip
     describe = (
         describe_host(cfg.address(), cfg.group, ("dram",), 1 << 20, 0, 0, dict, "test")

@@ -45,16 +45,18 @@ def test_bad_urls_are_refused(url: str) -> None:
 
 
 def test_config_checks() -> None:
-    ok = PeerConfig(membership="etcd://h:2379/p", membership_ttl_s=2)
+    ok = PeerConfig(membership="etcd://h:2379/p", membership_ttl_s=5)
     assert ok.membership_url() is not None and PeerConfig().membership_url() is None
     with pytest.raises(ConfigError, match="whole number"):
-        PeerConfig(membership="etcd://h:2379/p", membership_ttl_s=1.5)
+        PeerConfig(membership="etcd://h:2379/p", membership_ttl_s=4.5)
     with pytest.raises(ConfigError, match=">= 2"):
         PeerConfig(membership_ttl_s=1)
     with pytest.raises(ConfigError, match="not both"):
         PeerConfig(membership="etcd://h:2379/p", peers=("h:1",))
     with pytest.raises(ConfigError, match="without '/'"):
         PeerConfig(membership="etcd://h:2379/p", group="a/b")
+    with pytest.raises(ConfigError, match="under half"):
+        PeerConfig(membership_ttl_s=2, membership_timeout_s=1)
     with pytest.raises(ConfigError, match="set together"):
         PeerConfig(membership_tls_cert_file="c.pem")
 
