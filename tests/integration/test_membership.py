@@ -7,7 +7,9 @@ pushes go elsewhere without a hang; a lease lost (revoked behind the
 sidecar's back) is replaced and drops nothing stored; etcd killed and
 restarted: serving goes on over the last known group, and membership
 recovers; the router ranks the live set (in process, and `tierstore route
---membership`). Skipped when etcd is not installed. Every wait is bounded.
+--membership`, and the `tierstore router --membership` service, which
+ranks a host that joins without a restart). Skipped when etcd is not
+installed. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -32,6 +35,8 @@ from tierstore.peer.etcd import EtcdAuth, EtcdClient
 from tierstore.peer.membership import decode_member
 from tierstore.policies import rendezvous_target
 from tierstore.router.router import Router
+from tierstore.v1 import router_pb2, router_pb2_grpc
+from tierstore.wire import layout_to_proto
 
 from ..conftest import SMALL_LAYOUT
 from .etcd import SKIP_REASON, EtcdProcess, etcd_binary
@@ -292,3 +297,40 @@ def test_router_routes_over_the_live_set(fleet: Fleet) -> None:
         env=dict(os.environ, PYTHONPATH=str(REPO)),
     ).stdout  # fmt: skip
     assert sorted(h["host"] for h in json.loads(out)["hosts"]) == sorted(members)
+
+
+def test_router_service_follows_the_group_without_a_restart(fleet: Fleet) -> None:
+    members = fleet.live()
+    fleet.wait_settled(members)
+    port = free_port()
+    log = open(fleet.root / "router.log", "ab")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierstore.cli", "router", "--membership", fleet.url,
+         "--port", str(port), "--set", f"peer_token={TOKEN}",
+         "--set", f"membership_ttl_s={TTL_S}", "--set", "membership_timeout_s=0.5"],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    log.close()
+    request = router_pb2.RouteRequest(
+        layout=layout_to_proto(L), token_ids=list(range(8 * 4)), session="router-follows"
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = router_pb2_grpc.RouterServiceStub(channel)
+
+    def ranked() -> list[str]:
+        try:
+            reply = stub.Route(request, timeout=5, metadata=(("authorization", f"Bearer {TOKEN}"),))
+        except grpc.RpcError:
+            return []  # not listening yet
+        return sorted(h.host for h in reply.hosts)
+
+    try:
+        wait_for("the router service ranks the group", lambda: ranked() == sorted(members))
+        e = fleet.start("e")
+        fleet.wait_settled([*members, e])
+        wait_for("the router ranks the new host", lambda: ranked() == sorted([*members, e]))
+        assert proc.poll() is None  # the same process: no restart
+    finally:
+        channel.close()
+        proc.terminate()
+        proc.wait(15)
