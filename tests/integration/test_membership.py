@@ -64,6 +64,14 @@ def counters(sock: Path) -> dict[str, int]:
         return dict(c.stat().counters)
 
 
+def cli_stat(sock: Path) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "stat", "--socket", str(sock)],
+        capture_output=True, text=True, timeout=30, check=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    ).stdout  # fmt: skip
+
+
 class Fleet:
     """etcd and the sidecars of one group, by peer address."""
 
@@ -160,12 +168,7 @@ def test_three_sidecars_join_and_see_each_other(fleet: Fleet) -> None:
         assert TOKEN.encode() not in value  # nothing secret goes into etcd
     c = counters(fleet.sock(members[0]))
     assert c["membership_etcd_up"] == 1 and c["membership_registered"] == 1
-    out = subprocess.run(
-        [sys.executable, "-m", "tierstore.cli", "stat", "--socket", str(fleet.sock(members[0]))],
-        capture_output=True, text=True, timeout=30, check=True,
-        env=dict(os.environ, PYTHONPATH=str(REPO)),
-    ).stdout  # fmt: skip
-    assert "group     3 members (etcd: up)" in out
+    assert "group     3 members (etcd: up)" in cli_stat(fleet.sock(members[0]))
 
 
 def test_fourth_joins_and_gets_replicas(fleet: Fleet) -> None:
@@ -250,6 +253,7 @@ def test_etcd_down_keeps_serving_and_membership_recovers(fleet: Fleet) -> None:
         c = counters(fleet.sock(a))
         assert c["membership_members"] == len(members)  # the last known group is kept
         assert c["membership_etcd_outages"] >= 1
+        assert "etcd: UNREACHABLE: last known group kept" in cli_stat(fleet.sock(a))
         session = session_for(b, members, a, "outage")
         keys, data = turn(8, 5_000_000)
         with StoreClient(str(fleet.sock(a))) as ca, StoreClient(str(fleet.sock(b))) as cb:
