@@ -56,6 +56,7 @@ def members(url: str, register: bool, **settings: object) -> Iterator[EtcdMember
         else None
     )
     m = EtcdMembers(cfg, describe=describe)
+    m.start()
     try:
         yield m
     finally:

@@ -1,7 +1,8 @@
 """The group's live members from etcd: register under a lease, watch the group.
 
 Provides ``EtcdMembers`` (a ``tierstore.peer.membership.MemberSet``) and
-``MEMBERSHIP_COUNTERS``. Two worker threads (``tierstore.workers.Workers``):
+``MEMBERSHIP_COUNTERS``. ``start`` (once the peer port serves) runs two
+worker threads (``tierstore.workers.Workers``):
 
 - ``tierstore-membership-lease`` (only for a sidecar that registers; a
   router only watches): grants a lease of ``membership_ttl_s``, puts this
@@ -108,8 +109,14 @@ class EtcdMembers:
         self._lease = 0
         self._key = url.member_key(cfg.group, describe().address) if describe else b""
         self._workers = workers or Workers()
-        self._threads = [self._workers.start("tierstore-membership-watch", self._watch_loop)]
-        if describe is not None:
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start watching (and registering): call once this host serves its peer port."""
+        if self._threads or self._stop.is_set():
+            raise RuntimeError("EtcdMembers.start: already started or closed")
+        self._threads.append(self._workers.start("tierstore-membership-watch", self._watch_loop))
+        if self._describe is not None:
             self._threads.append(
                 self._workers.start("tierstore-membership-lease", self._lease_loop)
             )

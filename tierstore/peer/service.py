@@ -38,7 +38,6 @@ from tierstore.wire import host_load_proto, layout_from_proto
 
 log = logging.getLogger(__name__)
 
-
 MAX_PEER_KEYS = 65536  # keys in one peer call (2 MiB of keys)
 MAX_MESSAGE_BYTES = 4 << 20
 WATCH_CHUNK_KEYS = 32768  # keys per snapshot message (1 MiB)
@@ -234,7 +233,8 @@ class PeerServer:
                 self.members.close()
             raise TierstoreError(f"cannot listen for peers on {bind} (in use?)")
         self.server.start()
-        if self.members is not None:
+        if self.members is not None:  # joins only now that the others can reach it
+            self.members.start()
             self.members.wait_synced(cfg.membership_timeout_s)  # bounded: etcd may be down
             source = f"live from {cfg.membership}"
         else:

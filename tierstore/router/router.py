@@ -66,6 +66,7 @@ class Router:
         if peer.membership:
             # The router only watches the group: it is not a member of it.
             self.members = EtcdMembers(peer, on_change=self._fleet_changed)
+            self.members.start()
             self.members.wait_synced(peer.membership_timeout_s)
         else:
             self.members = StaticMembers(cfg.router_hosts)
