@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tierstore.errors import ConfigError
+from tierstore.policies import WRITE_POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -62,6 +63,13 @@ class StoreConfig:
     demoter_poll_s: float = 1.0  # the demoter re-checks DRAM usage at least this often
     nvme_read_depth: int = 4  # NVMe reads in flight while one request promotes blocks
     event_log_keys: int = 1 << 18  # tier changes kept for routers' WatchBlocks streams (keys)
+    write_policy: str = "write_back"  # write_back | write_through | write_through_selective
+    write_queue_bytes: int = 256 << 20  # bound of the write-through queue (what a crash may lose)
+    write_through_min_tokens: int = 8192  # write_through_selective: turns this long are written
+    nvme_index_reserve_bytes: int = 0  # disk kept free for the LMDB index; 0: derived
+    nvme_full_backoff_s: float = 5.0  # after ENOSPC, re-check the disk this often (doubling)
+    dram_populate: str = "background"  # background (serve at once) | upfront (populate first)
+    dram_huge_pages: bool = True  # ask for transparent huge pages on the arena (madvise)
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
@@ -83,6 +91,27 @@ class StoreConfig:
             raise ConfigError(f"demoter_poll_s must be > 0, got {self.demoter_poll_s}")
         if self.event_log_keys < 1:
             raise ConfigError(f"event_log_keys must be >= 1, got {self.event_log_keys}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(
+                f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
+                f"got {self.write_policy!r}"
+            )
+        if self.write_queue_bytes < 1:
+            raise ConfigError(f"write_queue_bytes must be >= 1, got {self.write_queue_bytes}")
+        if self.write_through_min_tokens < 1:
+            raise ConfigError(
+                f"write_through_min_tokens must be >= 1, got {self.write_through_min_tokens}"
+            )
+        if self.nvme_index_reserve_bytes < 0:
+            raise ConfigError(
+                f"nvme_index_reserve_bytes must be >= 0, got {self.nvme_index_reserve_bytes}"
+            )
+        if self.nvme_full_backoff_s <= 0:
+            raise ConfigError(f"nvme_full_backoff_s must be > 0, got {self.nvme_full_backoff_s}")
+        if self.dram_populate not in ("background", "upfront"):
+            raise ConfigError(
+                f"dram_populate must be background or upfront, got {self.dram_populate!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -102,6 +131,7 @@ class ServerConfig:
     prefetch_timeout_per_1k_tokens_s: float = 0.02  # ... plus this per 1000 tokens
     prefetch_max_wait_s: float = 30.0  # longest a PREFETCH_WAIT call blocks
     shutdown_grace_s: float = 5.0  # in-flight calls get this long to finish on SIGTERM
+    shutdown_drain_s: float = 10.0  # then DRAM-only blocks are written to NVMe for this long
     load_ttl_s: float = 10.0  # an engine's load report (ReportLoad) counts this long
     log_level: str = "info"  # debug | info | warning | error
 
@@ -121,6 +151,8 @@ class ServerConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shutdown_drain_s < 0:
+            raise ConfigError(f"shutdown_drain_s must be >= 0, got {self.shutdown_drain_s}")
         for name in ("keepalive_s", "prefetch_max_wait_s", "shutdown_grace_s", "load_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -1,4 +1,4 @@
-"""Eviction and admission policies: pure objects, no I/O, no locks, no torch.
+"""Eviction, admission and write policies: pure objects, no I/O, no locks, no torch.
 
 Provides:
 - ``EvictionPolicy`` protocol and two implementations, ``LruPolicy`` (default)
@@ -6,7 +6,13 @@ Provides:
   one-hit scans such as a long prompt read once).
 - ``AdmissionPolicy`` protocol with ``AlwaysAdmit`` and ``SeenTwiceAdmit``
   (admit to the slower tier only keys seen at least twice).
-- ``make_eviction_policy`` / ``make_admission_policy``: by config name.
+- ``WritePolicy`` protocol: when a DRAM block is also written to NVMe before
+  it is evicted: ``WriteBack`` (only when evicted), ``WriteThrough`` (every
+  committed block, through the store's bounded write queue),
+  ``WriteThroughSelective`` (blocks read again after their commit, and the
+  blocks of turns of at least ``min_tokens``).
+- ``make_eviction_policy`` / ``make_admission_policy`` / ``make_write_policy``:
+  by config name.
 - ``rendezvous_target``: the spill host of a session (kv_share's target).
 
 The tier that owns a policy serialises every call (its own lock). ``evict``
@@ -202,6 +208,84 @@ class SeenTwiceAdmit:
         return False
 
 
+class WritePolicy(Protocol):
+    """Which DRAM blocks are queued for NVMe before they are evicted (write
+    through). Eviction still spills whatever is not on NVMe yet (write back),
+    whatever the policy. Pure: the store's writer asks, and does the I/O."""
+
+    name: str
+    watches_hits: bool  # whether ``on_hit`` can answer True (the store skips the call if not)
+
+    def on_commit(self, key: BlockKey) -> bool: ...
+
+    def on_hit(self, key: BlockKey) -> bool: ...
+
+    def on_turn(self, num_tokens: int) -> bool:
+        """Whether the keys of a finished turn of ``num_tokens`` tokens are written through."""
+        ...
+
+
+class WriteBack:
+    """Blocks reach NVMe when DRAM evicts them (and on a graceful stop's drain)."""
+
+    name = "write_back"
+    watches_hits = False
+
+    def on_commit(self, key: BlockKey) -> bool:
+        return False
+
+    def on_hit(self, key: BlockKey) -> bool:
+        return False
+
+    def on_turn(self, num_tokens: int) -> bool:
+        return False
+
+
+class WriteThrough:
+    """Every committed block is queued for NVMe at once."""
+
+    name = "write_through"
+    watches_hits = False
+
+    def on_commit(self, key: BlockKey) -> bool:
+        return True
+
+    def on_hit(self, key: BlockKey) -> bool:
+        return False
+
+    def on_turn(self, num_tokens: int) -> bool:
+        return False
+
+
+class WriteThroughSelective:
+    """Write through what is likely to be used again: a block read from DRAM
+    after its commit (seen twice; each key queued once per ``history_keys``
+    hits), and every block of a turn of at least ``min_tokens`` tokens
+    (a long session, whose prefill is the most expensive to lose)."""
+
+    name = "write_through_selective"
+    watches_hits = True
+
+    def __init__(self, min_tokens: int = 8192, history_keys: int = 65536) -> None:
+        self.min_tokens = min_tokens
+        self._queued: OrderedDict[BlockKey, None] = OrderedDict()
+        self._history_keys = history_keys
+
+    def on_commit(self, key: BlockKey) -> bool:
+        return False
+
+    def on_hit(self, key: BlockKey) -> bool:
+        if key in self._queued:
+            return False
+        self._queued[key] = None
+        while len(self._queued) > self._history_keys:
+            self._queued.popitem(last=False)
+        return True
+
+    def on_turn(self, num_tokens: int) -> bool:
+        return num_tokens >= self.min_tokens
+
+
 EVICTION_POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LruPolicy,
     "s3fifo": S3FifoPolicy,
@@ -210,6 +294,20 @@ ADMISSION_POLICIES: dict[str, Callable[[], AdmissionPolicy]] = {
     "always": AlwaysAdmit,
     "seen_twice": SeenTwiceAdmit,
 }
+
+
+WRITE_POLICIES = ("write_back", "write_through", "write_through_selective")
+
+
+def make_write_policy(name: str, min_tokens: int = 8192) -> WritePolicy:
+    """The write policy named ``name``; ``min_tokens`` is the selective one's long turn."""
+    if name == "write_back":
+        return WriteBack()
+    if name == "write_through":
+        return WriteThrough()
+    if name == "write_through_selective":
+        return WriteThroughSelective(min_tokens)
+    raise ConfigError(f"unknown write policy {name!r}; choose one of {list(WRITE_POLICIES)}")
 
 
 def make_eviction_policy(name: str) -> EvictionPolicy:

@@ -186,6 +186,7 @@ def format_stat(stat: dict[str, Any]) -> str:
             c.get("bad_requests", 0),
         ),
     ]
+    lines += _restart_lines(stat.get("info", {}), c)
     if "peer_lookups" in c:
         lines.append(
             "peers     lookups {} (errors {}, timeouts {})  fetched {} blocks, {} "
@@ -250,6 +251,54 @@ def format_stat(stat: dict[str, Any]) -> str:
             f"{float(cl['connected_s']):.0f}s, {cl['pins']} pins"
         )
     return "\n".join(lines)
+
+
+def _restart_lines(info: dict[str, str], c: dict[str, int]) -> list[str]:
+    """The write policy and its queue, the last drain, the arena's pages."""
+    lines = []
+    if "write_policy" in info:
+        line = f"writes    policy {info['write_policy']}"
+        if "write_queued" in c:
+            line += (
+                "  queued {}  written {}  dropped {}  failed {}  queue {} blocks, {} of {}".format(
+                    c.get("write_queued", 0),
+                    c.get("write_written", 0),
+                    c.get("write_dropped", 0),
+                    c.get("write_failed", 0),
+                    c.get("write_queue_blocks", 0),
+                    _human_bytes(c.get("write_queue_bytes", 0)),
+                    _human_bytes(c.get("write_queue_bound_bytes", 0)),
+                )
+            )
+        lines.append(line)
+    if "last_drain_blocks" in c:
+        lines.append(
+            "drain     last stop wrote {} blocks ({}) in {:.2f}s of {:.2f}s, "
+            "dropped {} ({})".format(
+                c["last_drain_blocks"],
+                _human_bytes(c.get("last_drain_bytes", 0)),
+                c.get("last_drain_ms", 0) / 1000,
+                c.get("last_drain_budget_ms", 0) / 1000,
+                c.get("last_drain_dropped_blocks", 0),
+                _human_bytes(c.get("last_drain_dropped_bytes", 0)),
+            )
+        )
+    if "arena_page" in info:
+        total = c.get("arena_bytes", 0)
+        share = 100 * c.get("arena_populated_bytes", 0) / total if total else 0.0
+        lines.append(f"arena     pages {info['arena_page']}  populated {share:.0f}%")
+    if c.get("nvme_disk_full", 0) or c.get("nvme_full_rechecks", 0):
+        lines.append(
+            "disk      full now {}  full events {}  re-checks {}  resumed {}  "
+            "index reserve used {}".format(
+                c.get("nvme_disk_full", 0),
+                c.get("nvme_full_events", 0),
+                c.get("nvme_full_rechecks", 0),
+                c.get("nvme_full_resumed", 0),
+                c.get("nvme_index_reserve_used", 0),
+            )
+        )
+    return lines
 
 
 def cmd_stat(args: argparse.Namespace) -> int:

@@ -293,6 +293,7 @@ class StoreClient:
             ok = []
             for j, (status, offset) in enumerate(zip(reply.statuses, reply.offsets)):
                 if status == local_pb2.RESERVE_OK:
+                    self.arena.ensure_ready(offset, n)  # page tables of a fresh unit, once
                     self._copier.copy(self.arena_tensor[offset : offset + n], rows[lo + j])
                     ok.append(batch[j])
                 held.append(status != local_pb2.RESERVE_FULL)
@@ -384,6 +385,8 @@ class StoreClient:
         req = self._req(layout, keys, include_peers, deadline_s)
         reply = self._call(self._stub.Acquire, req, "acquire")
         offsets = list(reply.offsets)
+        for offset in offsets:  # page tables of units this process has not mapped yet
+            self.arena.ensure_ready(offset, layout.block_bytes)
         return Pinned(self, layout, keys[: len(offsets)], offsets, engine_copies)
 
     def _release(self, layout: KVLayout, keys: list[BlockKey]) -> None:

@@ -2,30 +2,67 @@
 sidecar and by every engine process that uses it.
 
 The sidecar ``create``s it as a file under a tmpfs directory (``/dev/shm`` by
-default), owner-only, with every page reserved up front (``posix_fallocate``)
-so that a full tmpfs is an error at start, not a SIGBUS later. Engines
+default, or a hugetlbfs / ``huge=`` tmpfs mount), owner-only. Engines
 ``attach`` to the same path. With CUDA the engine registers the mapping as
 pinned memory (see ``tierstore.client.cuda``); nothing here depends on it.
 
-Not thread-aware: the mapping is shared memory; the slot allocator and the
-tier decide who may touch which bytes.
+Start-up and attach cost nothing per byte: the file is sized, not filled, and
+mapped without MAP_POPULATE. Memory is made ready in *units* of
+``UNIT_BYTES`` (2 MiB, or the huge page): ``ensure_ready`` reserves a unit's
+pages in the file (``posix_fallocate``: a full tmpfs is a refused slot, never
+a SIGBUS) and builds this process's page tables for it
+(``MADV_POPULATE_WRITE``), so the first copy into it runs at memcpy speed.
+The sidecar calls it before it hands out a slot and populates the rest in the
+background (``populate``); an engine calls it (page tables only) before its
+first copy into a unit. Transparent huge pages are asked for with
+``MADV_HUGEPAGE``; ``page_bytes`` / ``page_kind`` say what the kernel gives.
+
+Thread-safe: ``ensure_ready`` serialises the preparation of a unit; the bytes
+are shared memory and the slot allocator and the tier decide who may touch
+which of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import re
 import secrets
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from tierstore.errors import ArenaError
 
+log = logging.getLogger(__name__)
+
 PAGE_BYTES = mmap.PAGESIZE
+UNIT_BYTES = 2 << 20  # preparation unit: one x86-64 huge page (larger huge pages: one page)
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module names it only on 3.12+
+MADV_HUGEPAGE = 14
+
+
+def _mount_of(directory: Path) -> tuple[str, str]:
+    """(filesystem type, options) of the mount holding ``directory``."""
+    best, fstype, options = "", "", ""
+    target = str(directory.resolve())
+    try:
+        with open("/proc/mounts", encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                mnt = parts[1]
+                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, fstype, options = mnt, parts[2], parts[3]
+    except OSError:
+        pass
+    return fstype, options
 
 
 def _mem_available_bytes() -> int | None:
@@ -78,31 +115,115 @@ def remove_stale_arenas(directory: Path) -> list[Path]:
 class Arena:
     """A shared, page-aligned byte region. Use ``create`` or ``attach``."""
 
-    def __init__(self, path: Path, size_bytes: int, fd: int, owner: bool) -> None:
+    def __init__(
+        self, path: Path, size_bytes: int, fd: int, owner: bool, huge_pages: bool = True
+    ) -> None:
         self.path = path
         self.size_bytes = size_bytes
         self.owner = owner
         self._fd = fd
         try:
-            # MAP_POPULATE builds the page tables now: the first copy into a
-            # slot then runs at memcpy speed instead of faulting page by page.
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._map = mmap.mmap(fd, size_bytes, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-            # MAP_POPULATE maps shared pages read-only until their first write;
-            # MADV_POPULATE_WRITE (Linux 5.14+) makes them writable now without
-            # touching their bytes (15% faster first copies here). Older
-            # kernels refuse it, which costs only that.
-            with contextlib.suppress(OSError, ValueError):
-                self._map.madvise(getattr(mmap, "MADV_POPULATE_WRITE", MADV_POPULATE_WRITE))
+            self._map = mmap.mmap(fd, size_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as e:
             os.close(fd)
             raise ArenaError(f"cannot map arena {path} ({size_bytes} bytes): {e}") from e
+        self.huge_advised = False
+        if huge_pages:  # THP on a tmpfs mounted huge=advise; others ignore or refuse it
+            with contextlib.suppress(OSError, ValueError):
+                self._map.madvise(getattr(mmap, "MADV_HUGEPAGE", MADV_HUGEPAGE))
+                self.huge_advised = True
+        self.page_bytes, self.page_kind = self._page_size()
+        self.unit_bytes = max(UNIT_BYTES, self.page_bytes)
+        self._units = -(-size_bytes // self.unit_bytes)
+        self._ready = bytearray(self._units)  # 1: fallocated (owner) and in our page tables
+        self._ready_units = 0
+        self._unit_lock = threading.Lock()
         self.buf = memoryview(self._map)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
 
+    def _page_size(self) -> tuple[int, str]:
+        """The page size the kernel maps this file with, and how it got it."""
+        fstype, options = _mount_of(self.path.parent)
+        blksize = os.fstat(self._fd).st_blksize
+        if fstype == "hugetlbfs":
+            return blksize, "hugetlbfs"
+        opts = dict(o.partition("=")[::2] for o in options.split(","))
+        huge = opts.get("huge", "never")
+        if blksize > PAGE_BYTES or huge in ("always", "within_size"):
+            return max(blksize, UNIT_BYTES), f"thp (tmpfs huge={huge})"
+        if huge == "advise" and self.huge_advised:
+            return UNIT_BYTES, "thp (tmpfs huge=advise, madvised)"
+        return PAGE_BYTES, "base (no huge pages on this mount)"
+
+    # -- preparing memory -----------------------------------------------------------
+
+    @property
+    def populated_bytes(self) -> int:
+        return min(self._ready_units * self.unit_bytes, self.size_bytes)
+
+    def ensure_ready(self, offset: int, nbytes: int) -> bool:
+        """Make ``[offset, offset + nbytes)`` ready for copies at memory speed:
+        its pages reserved in the file (creator only) and in this process's
+        page tables. False if the file cannot hold them (a full tmpfs): the
+        range must not be written then. Cheap once ready (a bytearray scan)."""
+        if nbytes <= 0:
+            return True
+        first, last = offset // self.unit_bytes, (offset + nbytes - 1) // self.unit_bytes
+        if self._ready.find(0, first, last + 1) < 0:
+            return True
+        return all(self._prepare(u) for u in range(first, last + 1))
+
+    def _prepare(self, unit: int) -> bool:
+        with self._unit_lock:
+            if self._ready[unit]:
+                return True
+            if self._fd < 0:
+                return False
+            start = unit * self.unit_bytes
+            length = min(self.unit_bytes, self.size_bytes - start)
+            if self.owner:
+                try:
+                    os.posix_fallocate(self._fd, start, length)
+                except OSError as e:
+                    log.warning(
+                        "arena %s: cannot reserve %d bytes at %d: %s", self.path, length, start, e
+                    )
+                    return False
+            # Page tables now, without touching the bytes (Linux 5.14+; an
+            # older kernel refuses it, and first copies fault page by page).
+            with contextlib.suppress(OSError, ValueError):
+                self._map.madvise(
+                    getattr(mmap, "MADV_POPULATE_WRITE", MADV_POPULATE_WRITE), start, length
+                )
+            self._ready[unit] = 1
+            self._ready_units += 1
+            return True
+
+    def populate(self, stop: Callable[[], bool] | None = None) -> bool:
+        """Prepare every unit in order (the sidecar's background populator, or
+        ``dram_populate = "upfront"``); returns False if stopped or the file
+        could not hold a unit (then slots there are refused as they come)."""
+        for unit in range(self._units):
+            if stop is not None and stop():
+                return False
+            if not self._ready[unit] and not self._prepare(unit):
+                return False
+        return True
+
     @classmethod
-    def create(cls, size_bytes: int, directory: str | Path = "/dev/shm", tag: str = "") -> Arena:
-        """Create and reserve a new arena file; fails with ArenaError naming why."""
+    def create(
+        cls,
+        size_bytes: int,
+        directory: str | Path = "/dev/shm",
+        tag: str = "",
+        *,
+        upfront: bool = True,
+        huge_pages: bool = True,
+    ) -> Arena:
+        """Create a new arena file; fails with ArenaError naming why. With
+        ``upfront`` every page is reserved and populated before it returns
+        (small arenas, tests); else nothing is: call ``ensure_ready`` before
+        handing out a range and ``populate`` in the background."""
         directory = Path(directory)
         if size_bytes <= 0 or size_bytes % PAGE_BYTES:
             raise ArenaError(
@@ -134,18 +255,24 @@ class Arena:
         except OSError as e:
             raise ArenaError(f"cannot create arena file {path}: {e}") from e
         try:
-            os.posix_fallocate(fd, 0, size_bytes)
+            os.ftruncate(fd, size_bytes)
+            if upfront:
+                os.posix_fallocate(fd, 0, size_bytes)
         except OSError as e:
             os.close(fd)
             path.unlink(missing_ok=True)
             raise ArenaError(
                 f"cannot reserve {size_bytes / 2**30:.2f} GiB for the arena in {directory}: {e}"
             ) from e
-        return cls(path, size_bytes, fd, owner=True)
+        arena = cls(path, size_bytes, fd, owner=True, huge_pages=huge_pages)
+        if upfront:
+            arena.populate()
+        return arena
 
     @classmethod
     def attach(cls, path: str | Path, size_bytes: int) -> Arena:
-        """Map an existing arena created by another process (an engine's view)."""
+        """Map an existing arena created by another process (an engine's view).
+        Nothing is populated: ``ensure_ready`` before the first copy into a range."""
         path = Path(path)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -167,8 +294,10 @@ class Arena:
 
     def close(self) -> None:
         """Unmap; the creator also removes the file. Views must be released first."""
-        if self._fd < 0:
-            return
+        with self._unit_lock:  # a populator between two units stops here
+            if self._fd < 0:
+                return
+            fd, self._fd = self._fd, -1
         del self.array
         self.buf.release()
         try:
@@ -176,7 +305,6 @@ class Arena:
         except BufferError:
             # A caller still holds a view; the mapping is freed when it goes.
             pass
-        os.close(self._fd)
-        self._fd = -1
+        os.close(fd)
         if self.owner:
             self.path.unlink(missing_ok=True)

@@ -11,10 +11,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from tierstore.errors import TierstoreError
+from tierstore.store.tiered import STORE_GAUGES
 
 if TYPE_CHECKING:
     from tierstore.sidecar.process import Sidecar
@@ -34,7 +35,7 @@ TIER_COUNTERS = (
 GAUGE_COUNTERS = {
     "peer_watchers", "peer_tls", "replica_bytes", "worker_failures",
     "membership_members", "membership_etcd_up", "membership_registered",
-}  # fmt: skip
+} | STORE_GAUGES  # fmt: skip
 
 
 class SidecarCollector(Collector):
@@ -61,6 +62,9 @@ class SidecarCollector(Collector):
                 yield GaugeMetricFamily(f"tierstore_{name}", f"Store gauge {name}", value=value)
             else:
                 yield CounterMetricFamily(f"tierstore_{name}", f"Store counter {name}", value=value)
+        info = InfoMetricFamily("tierstore_settings", "Settings in words (write policy, pages)")
+        info.add_metric([], dict(stat.info))
+        yield info
         yield GaugeMetricFamily(
             "tierstore_clients", "Attached engine clients", value=len(stat.clients)
         )

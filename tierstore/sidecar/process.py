@@ -7,7 +7,9 @@ peer service when ``peer_port`` is set, and a Prometheus endpoint; and
 ``serve``, which runs one until SIGTERM or SIGINT.
 
 ``Sidecar.stop`` refuses new calls, lets in-flight calls finish for
-``shutdown_grace_s``, then closes the store (NVMe index flushed). A second
+``shutdown_grace_s``, drains DRAM-only blocks to NVMe for at most
+``shutdown_drain_s`` (most recently used first; a restart on the same
+directory serves them), then closes the store (NVMe index flushed). A second
 sidecar on the same socket or NVMe directory fails at start with a message
 naming the running one; nothing of the first is touched.
 """
@@ -151,7 +153,8 @@ class Sidecar:
     def stop(self) -> None:
         """Refuse new calls, finish in-flight ones, close the store. Idempotent."""
         if self.stopping.is_set():
-            self._stopped.wait(timeout=self.config.server.shutdown_grace_s + 30)
+            cfg = self.config.server
+            self._stopped.wait(timeout=cfg.shutdown_grace_s + cfg.shutdown_drain_s + 30)
             return
         self.stopping.set()
         if self.peer_server is not None:
@@ -160,17 +163,19 @@ class Sidecar:
         self.grpc_server.stop(self.config.server.shutdown_grace_s).wait()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
-        self._close_store()
+        self._close_store(drain=True)
         self._stopped.set()
         log.info("tierstore stopped")
 
-    def _close_store(self) -> None:
+    def _close_store(self, drain: bool = False) -> None:
         if self.fast_lookup is not None:
             self.fast_lookup.close()
         if self.peer_server is not None:
             self.peer_server.stop(self.config.server.shutdown_grace_s)
         if hasattr(self, "servicer"):
             self.servicer.prefetcher.close()
+        if drain:
+            self.store.drain(self.config.server.shutdown_drain_s)
         self.store.close()
         self.socket_path.unlink(missing_ok=True)
         self._lock.close()

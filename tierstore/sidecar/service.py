@@ -323,6 +323,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         if not request.session or len(request.session) > 256:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "session must be 1-256 characters")
         self.store.adopt(keys)
+        self.store.turn_ended(keys, request.num_tokens)
         if self.peers is None:
             if request.replica_target:
                 raise BadRequest(
@@ -488,4 +489,5 @@ def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
         nvme_dir=servicer.config.store.nvme_dir if servicer.store.has_nvme else "",
         load=host_load_proto(servicer.loads.host()),
         failed_workers=[f"{name}: {error}" for name, error in sorted(failed.items())],
+        info=stat["info"],
     )

@@ -89,7 +89,14 @@ class DramTier:
                 return ReserveStatus.FULL, None
             entry = DramEntry(key, layout_fp, offset, nbytes, EntryState.RESERVED, owner)
             self._entries[key] = entry
-            return ReserveStatus.OK, entry
+        # A fresh unit of the arena gets its pages now (outside the lock: a
+        # few milliseconds); one the tmpfs cannot hold is never handed out.
+        if not self.arena.ensure_ready(offset, nbytes):
+            with self._lock:
+                if self._entries.get(key) is entry:
+                    self._free(entry)
+            return ReserveStatus.FULL, None
+        return ReserveStatus.OK, entry
 
     def commit(
         self, keys: Iterable[BlockKey], owner: int = STORE_OWNER, pin_for: int | None = None
@@ -166,6 +173,37 @@ class DramTier:
                     self._stats.misses += 1
                     out.append(None)
         return out
+
+    def pin_quiet(
+        self, keys: Sequence[BlockKey], owner: int = STORE_OWNER
+    ) -> list[DramEntry | None]:
+        """Pin readable keys for the store's own copies (write-through, drain):
+        like ``pin`` but neither a hit nor a use (the eviction order stays)."""
+        out: list[DramEntry | None] = []
+        with self._lock:
+            pins = self._pins.setdefault(owner, Counter())
+            for key in keys:
+                entry = self._entries.get(key)
+                if self._readable(entry):
+                    assert entry is not None
+                    entry.refs += 1
+                    pins[key] += 1
+                    out.append(entry)
+                else:
+                    out.append(None)
+        return out
+
+    def nbytes_of(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Each key's block size (0 when not held)."""
+        with self._lock:
+            return [e.nbytes if (e := self._entries.get(k)) is not None else 0 for k in keys]
+
+    def keys_most_recent_first(self) -> list[BlockKey]:
+        """Committed keys, the ones the eviction policy would keep longest first."""
+        with self._lock:
+            keys = list(self.policy.candidates())
+        keys.reverse()
+        return keys
 
     def unpin(self, keys: Iterable[BlockKey], owner: int = STORE_OWNER) -> int:
         """Drop one pin of ``owner`` per key; unknown pins are ignored (counted in the result)."""

@@ -18,6 +18,13 @@ again, so no row ever points at a slot being overwritten. Every block carries
 its blake3 digest and every read is verified: a block that fails (bit rot, a
 truncated file) is dropped and reported as a miss, never served.
 
+A full disk: a write that hits ENOSPC caps the tier at what its data file
+holds (new blocks evict old ones, whose slots are on disk), and the index
+keeps ``index_reserve_bytes`` allocated for its commits (see
+``nvme_index``). Every ``full_backoff_s`` (doubling to 16x while the disk
+stays full) a write checks the filesystem's free space again and lifts the
+cap when there is room, so spills grow the tier again without a restart.
+
 Last-access times are kept in memory and persisted lazily (in the next write
 transaction and at close) so that reads never open an LMDB transaction; after
 a crash, LRU order may be slightly stale, which costs only eviction quality.
@@ -51,6 +58,7 @@ from typing import TYPE_CHECKING
 import blake3
 import lmdb
 
+from tierstore.counters import Counters
 from tierstore.errors import BlockSizeError, StorageError
 from tierstore.keys import BlockKey, check_key
 from tierstore.load import RateMeter
@@ -65,7 +73,7 @@ from tierstore.store.nvme_batch import (
     block_hasher,
     write_and_hash,
 )
-from tierstore.store.nvme_index import NvmeEntry, open_root
+from tierstore.store.nvme_index import NvmeEntry, derived_index_reserve_bytes, open_root
 from tierstore.tiers import TierName, TierStats
 
 if TYPE_CHECKING:
@@ -75,6 +83,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _faults = RateLimitedLog(logger)
+
+NVME_COUNTERS = (
+    "nvme_disk_full",  # gauge: 1 while the tier is capped by a full filesystem
+    "nvme_full_events",  # writes that found the filesystem full (ENOSPC)
+    "nvme_full_rechecks",  # looks at the free space while capped
+    "nvme_full_resumed",  # caps lifted: the disk had room again
+    "nvme_index_reserve_shortfalls",  # index reserve top-ups the disk could not give
+)
+NVME_GAUGES = frozenset({"nvme_disk_full"})
+FULL_BACKOFF_MAX_FACTOR = 16
 
 READ_CHUNK_BYTES = 512 << 10
 """Blocks larger than this are read in chunks of it, each hashed while the next
@@ -95,6 +113,8 @@ class NvmeTier:
         policy: EvictionPolicy | None = None,
         direct_io: bool = True,
         sync: bool = True,
+        index_reserve_bytes: int = 0,
+        full_backoff_s: float = 5.0,
     ) -> None:
         """Open or create the tier in ``root``.
 
@@ -112,6 +132,10 @@ class NvmeTier:
         self._entries: dict[BlockKey, NvmeEntry] = {}
         self._pins: dict[int, int] = {}  # slot offset -> readers copying it
         self._full_at_bytes: int | None = None  # set when the filesystem filled up first
+        self._full_backoff_s = full_backoff_s
+        self._full_wait_s = full_backoff_s  # current backoff (doubles while still full)
+        self._full_check_at = 0.0  # monotonic time of the next re-check
+        self.counters = Counters(NVME_COUNTERS)
         self._retired: set[int] = set()  # slots dropped while pinned; freed at unpin
         self._dirty: set[BlockKey] = set()  # last access changed since persisted
         self._stats = TierStats()
@@ -121,7 +145,17 @@ class NvmeTier:
         # hosts' replicas leave before this host's own blocks, as in DRAM).
         self.evict_first: Callable[[], list[BlockKey]] | None = None
         self.read_rate = RateMeter()  # verified reads, for routers' cost models
-        opened = open_root(self.root, capacity_bytes, segment_bytes, direct_io=direct_io, sync=sync)
+        self.index_reserve_bytes = index_reserve_bytes or derived_index_reserve_bytes(
+            capacity_bytes
+        )
+        opened = open_root(
+            self.root,
+            capacity_bytes,
+            segment_bytes,
+            direct_io=direct_io,
+            sync=sync,
+            index_reserve_bytes=self.index_reserve_bytes,
+        )
         self._lock_fd = opened.lock_fd
         self._index = opened.index
         self._alloc = opened.alloc
@@ -182,10 +216,42 @@ class NvmeTier:
         batch = WriteBatch.prepare(items, digests)
         with self._write_lock:
             self._check_usable()
+            if self._full_at_bytes is not None:
+                self._recheck_full()
             self._plan(batch)
             if batch.planned:
                 self._store(batch)
         return batch.outcome()
+
+    def _recheck_full(self) -> None:
+        """While capped by a full disk: after the backoff, lift the cap if the
+        filesystem has room again (the index reserve plus a segment). Holds _write_lock."""
+        now = time.monotonic()
+        if now < self._full_check_at:
+            return
+        self.counters.add("nvme_full_rechecks")
+        try:
+            st = os.statvfs(self.root)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = 0
+        self._index.top_up_reserve()
+        if free >= self.index_reserve_bytes + self.segment_bytes:
+            with self._lock:
+                self._full_at_bytes = None
+            self._full_wait_s = self._full_backoff_s
+            self.counters.add("nvme_full_resumed")
+            self.counters.set("nvme_disk_full", 0)
+            logger.info(
+                "NVMe tier %s: the disk has room again (%.1f MiB free); spills grow the tier again",
+                self.root,
+                free / 2**20,
+            )
+            return
+        self._full_wait_s = min(
+            self._full_wait_s * 2, self._full_backoff_s * FULL_BACKOFF_MAX_FACTOR
+        )
+        self._full_check_at = now + self._full_wait_s
 
     def _plan(self, batch: WriteBatch) -> None:
         """Give each new block a slot, evicting as needed (in memory only)."""
@@ -260,6 +326,9 @@ class NvmeTier:
             lost = sum(self._alloc.slot_bytes(p.data.nbytes) for p in planned if id(p) not in ok)
             with self._lock:
                 self._full_at_bytes = self._alloc.used_bytes - lost
+            self._full_check_at = time.monotonic() + self._full_wait_s
+            self.counters.add("nvme_full_events")
+            self.counters.set("nvme_disk_full", 1)
         if written and self.sync:
             try:
                 self._file.sync()
@@ -311,6 +380,9 @@ class NvmeTier:
             self._dirty.clear()
         try:
             self._index.commit(put=put, delete=delete, records=dirty)
+            shortfalls = self._index.reserve_shortfalls
+            if shortfalls != self.counters.nvme_index_reserve_shortfalls:
+                self.counters.set("nvme_index_reserve_shortfalls", shortfalls)
         except lmdb.Error as e:
             _faults.warning("index", "NVMe index commit in %s failed: %s", self.root, e)
             with self._lock:

@@ -10,7 +10,11 @@ Provides:
 - ``NvmeEntry``: what the index holds about one block, and its record format.
 - ``NvmeIndex``: the LMDB environment (``index.lmdb/``) with two named
   databases: ``blocks`` (key -> record) and ``meta`` (format version and
-  ``segment_bytes``, which fixes where slots are in the data file).
+  ``segment_bytes``, which fixes where slots are in the data file). It keeps
+  ``reserve_bytes`` of disk allocated past the end of ``data.mdb``
+  (``fallocate(FALLOC_FL_KEEP_SIZE)``, topped up after each commit that grew
+  the file), so that index commits still find room when the data file has
+  filled the disk.
 
 Record of one block, 88 bytes, ``<QQ32s32sd``: offset in the data file,
 nbytes, blake3 digest of the bytes, layout fingerprint, last access
@@ -24,6 +28,9 @@ transaction (one writer, as LMDB requires). Every transaction is in a
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import fcntl
 import logging
 import os
@@ -32,6 +39,7 @@ from collections.abc import Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -124,11 +132,40 @@ def lock_root(root: Path) -> int:
     return fd
 
 
+FALLOC_FL_KEEP_SIZE = 1
+
+
+def _libc_fallocate() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_fallocate = _libc_fallocate()
+
+
+def derived_index_reserve_bytes(capacity_bytes: int) -> int:
+    """The index reserve when none is configured: 1/1024 of the tier's budget
+    (an index row is ~128 bytes, a block at least 4 KiB), 1-64 MiB."""
+    return min(64 << 20, max(1 << 20, capacity_bytes // 1024))
+
+
 class NvmeIndex:
     """The LMDB environment of one tier. Raises lmdb.Error from write paths."""
 
-    def __init__(self, path: Path, capacity_bytes: int, *, sync: bool) -> None:
+    def __init__(
+        self, path: Path, capacity_bytes: int, *, sync: bool, reserve_bytes: int = 0
+    ) -> None:
         self.path = path
+        self.reserve_bytes = reserve_bytes
+        self.reserve_shortfalls = 0  # top-ups the disk could not give in full
+        self._data_fd = -1
+        self._reserved_at = -1  # data.mdb size the reserve was last topped up at
         map_bytes = max(_MIN_MAP_BYTES, capacity_bytes // ALIGN_BYTES * _MAP_BYTES_PER_SLOT)
         try:
             self._env = lmdb.open(
@@ -147,6 +184,32 @@ class NvmeIndex:
             self._meta = self._env.open_db(b"meta")
         except lmdb.Error as e:
             raise StorageError(f"cannot open the NVMe index {path}: {e}") from e
+        if reserve_bytes > 0:
+            try:
+                self._data_fd = os.open(path / "data.mdb", os.O_RDWR | os.O_CLOEXEC)
+            except OSError as e:
+                logger.warning("NVMe index %s: no room reserved (%s)", path, e)
+            self.top_up_reserve()
+
+    def top_up_reserve(self) -> bool:
+        """Keep ``reserve_bytes`` allocated past the index file's end (a no-op
+        unless the file grew). False if the disk could not give it all."""
+        if self._data_fd < 0 or _fallocate is None:
+            return True
+        size = os.fstat(self._data_fd).st_size
+        if size == self._reserved_at:
+            return True
+        if _fallocate(self._data_fd, FALLOC_FL_KEEP_SIZE, size, self.reserve_bytes) == 0:
+            self._reserved_at = size
+            return True
+        err = ctypes.get_errno()
+        if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+            logger.warning("NVMe index %s: this filesystem cannot reserve room", self.path)
+            os.close(self._data_fd)
+            self._data_fd = -1
+            return True
+        self.reserve_shortfalls += 1
+        return False
 
     def segment_bytes(self, requested: int) -> int:
         """The segment size that defines the data file's layout: the recorded
@@ -203,9 +266,13 @@ class NvmeIndex:
                 txn.put(key, record)
             for entry in put:
                 txn.put(entry.key, entry.pack())
+        self.top_up_reserve()
 
     def close(self) -> None:
         self._env.close()
+        if self._data_fd >= 0:
+            os.close(self._data_fd)
+            self._data_fd = -1
 
 
 @dataclass(slots=True)
@@ -222,7 +289,13 @@ class OpenedRoot:
 
 
 def open_root(
-    root: Path, capacity_bytes: int, segment_bytes: int, *, direct_io: bool, sync: bool
+    root: Path,
+    capacity_bytes: int,
+    segment_bytes: int,
+    *,
+    direct_io: bool,
+    sync: bool,
+    index_reserve_bytes: int = 0,
 ) -> OpenedRoot:
     """Lock ``root``, open its index and data file, and rebuild the allocator.
 
@@ -235,7 +308,9 @@ def open_root(
         prepare_root(root)
         lock_fd = lock_root(root)
         stack.callback(os.close, lock_fd)
-        index = NvmeIndex(root / "index.lmdb", capacity_bytes, sync=sync)
+        index = NvmeIndex(
+            root / "index.lmdb", capacity_bytes, sync=sync, reserve_bytes=index_reserve_bytes
+        )
         stack.callback(index.close)
         try:
             alloc = SlabAllocator(capacity_bytes, index.segment_bytes(segment_bytes), ALIGN_BYTES)

@@ -8,15 +8,18 @@ to DRAM on hit and pin), forced ``demote`` and ``drop``, ``stat``.
 Threads: any number of caller threads; one background *demoter* thread that
 spills least-valuable DRAM blocks to NVMe once DRAM usage passes the high
 watermark, until it is under the low one. A caller that finds DRAM full
-evicts synchronously. Eviction is serialised by one lock; promotion from
-NVMe (several reads in flight, same-key promotions coalesced) is
-``tierstore.store.promoter``'s.
+evicts synchronously. With a write-through policy, ``tierstore.store.writer``
+also copies chosen blocks to NVMe soon after their commit (its own worker),
+and ``drain`` writes what is DRAM-only on a graceful stop. Eviction is
+serialised by one lock; promotion from NVMe (several reads in flight,
+same-key promotions coalesced) is ``tierstore.store.promoter``'s.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,19 +30,37 @@ from tierstore.errors import BlockSizeError, LayoutError
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.memory.arena import Arena
 from tierstore.memory.memcopy import copy_into
-from tierstore.policies import make_admission_policy, make_eviction_policy
+from tierstore.policies import make_admission_policy, make_eviction_policy, make_write_policy
 from tierstore.ratelog import RateLimitedLog
 from tierstore.store.base import Tier
 from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier, ReserveStatus
 from tierstore.store.events import BlockEventLog
-from tierstore.store.nvme import NvmeTier, block_digest
+from tierstore.store.nvme import NVME_GAUGES, NvmeTier, block_digest
 from tierstore.store.promoter import PROMOTER_COUNTERS, Promoter
 from tierstore.store.replicas import ReplicaLedger
+from tierstore.store.writer import WRITER_GAUGES, DrainReport, NvmeWriter, drain
 from tierstore.tiers import TierName, TierStats
 from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)
+# stat()["store"] figures that go down too (gauges for /metrics).
+STORE_GAUGES = (
+    WRITER_GAUGES
+    | NVME_GAUGES
+    | {
+        "write_queue_bound_bytes",
+        "arena_bytes",
+        "arena_populated_bytes",
+        "arena_page_bytes",
+        "last_drain_blocks",
+        "last_drain_bytes",
+        "last_drain_dropped_blocks",
+        "last_drain_dropped_bytes",
+        "last_drain_ms",
+        "last_drain_budget_ms",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +110,16 @@ class TieredStore:
         self.config = config
         # The sidecar passes its own, so a dead demoter turns its health NOT_SERVING.
         self.workers = workers if workers is not None else Workers()
-        self.arena = arena if arena is not None else Arena.create(config.dram_bytes, config.shm_dir)
+        self.arena = (
+            arena
+            if arena is not None
+            else Arena.create(
+                config.dram_bytes,
+                config.shm_dir,
+                upfront=config.dram_populate == "upfront",
+                huge_pages=config.dram_huge_pages,
+            )
+        )
         try:
             # A tier smaller than one segment is one segment (small test and demo stores).
             self.dram = DramTier(
@@ -105,6 +135,8 @@ class TieredStore:
                     segment_bytes=min(config.nvme_segment_bytes, config.nvme_bytes // 4096 * 4096),
                     policy=make_eviction_policy(config.eviction_policy),
                     direct_io=config.nvme_direct_io,
+                    index_reserve_bytes=config.nvme_index_reserve_bytes,
+                    full_backoff_s=config.nvme_full_backoff_s,
                 )
         except BaseException:
             if arena is None:
@@ -141,6 +173,29 @@ class TieredStore:
         self._wake = threading.Condition()
         self._closing = False
         self._demoter = self.workers.start("tierstore-demoter", self._demote_loop)
+        self.write_policy = make_write_policy(config.write_policy, config.write_through_min_tokens)
+        self.writer: NvmeWriter | None = None
+        if self.nvme is not None and self.write_policy.name != "write_back":
+            self.writer = NvmeWriter(
+                self.dram,
+                self.nvme,
+                self.write_policy,
+                queue_bytes=config.write_queue_bytes,
+                batch_blocks=config.demote_batch_blocks,
+                workers=self.workers,
+            )
+        self.last_drain = DrainReport.load(self.nvme.root) if self.nvme is not None else None
+        log.info(
+            "DRAM arena %s: %.2f GiB, pages of %d KiB (%s), %s",
+            self.arena.path,
+            self.arena.size_bytes / 2**30,
+            self.arena.page_bytes >> 10,
+            self.arena.page_kind,
+            "populated" if self.arena.populated_bytes >= self.arena.size_bytes
+            else "populating in the background",
+        )  # fmt: skip
+        if self.arena.populated_bytes < self.arena.size_bytes:
+            self.workers.start("tierstore-arena-populator", self._populate)
 
     # -- layouts ----------------------------------------------------------------
 
@@ -199,7 +254,10 @@ class TieredStore:
         return out
 
     def commit(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> list[bool]:
-        done = self.dram.commit(check_keys(keys), owner)
+        keys = check_keys(keys)
+        done = self.dram.commit(keys, owner)
+        if self.writer is not None:
+            self.writer.offer_committed([k for k, ok in zip(keys, done) if ok])
         self.maybe_wake_demoter()
         return done
 
@@ -279,7 +337,15 @@ class TieredStore:
             # Everything pinned past the prefix kept (all of it on an error).
             rest = [k for k, e in zip(keys[len(result) :], pinned[len(result) :]) if e]
             self.dram.unpin(rest, owner)
+        if self.writer is not None and result:
+            self.writer.offer_hits([e.key for e in result])
         return result
+
+    def turn_ended(self, keys: Sequence[BlockKey], num_tokens: int) -> None:
+        """A turn of ``num_tokens`` tokens ended with these keys (the write
+        policy may write a long session through)."""
+        if self.writer is not None:
+            self.writer.offer_turn(check_keys(keys), num_tokens)
 
     def release(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> int:
         return self.dram.unpin(keys, owner)
@@ -456,6 +522,15 @@ class TieredStore:
                         break
                     self._spill(victims)
 
+    def _populate(self) -> None:
+        started = time.monotonic()
+        if self.arena.populate(stop=lambda: self._closing):
+            log.info(
+                "DRAM arena populated (%.2f GiB in %.1fs)",
+                self.arena.size_bytes / 2**30,
+                time.monotonic() - started,
+            )
+
     # -- what services ask of the store (they never reach into its tiers) -------------
 
     @property
@@ -497,20 +572,55 @@ class TieredStore:
 
     def stat(self) -> dict[str, Any]:
         tiers: dict[str, TierStats] = {str(t.name): t.stats() for t in self.tiers()}
+        counters = self.counters.snapshot()
+        if self.writer is not None:
+            counters.update(self.writer.counters.snapshot())
+        if self.nvme is not None:
+            counters.update(self.nvme.counters.snapshot())
+        if self.last_drain is not None:
+            counters.update(self.last_drain.counters())
+        if self.writer is not None:
+            counters["write_queue_bound_bytes"] = self.config.write_queue_bytes
+        counters["arena_bytes"] = self.arena.size_bytes
+        counters["arena_populated_bytes"] = self.arena.populated_bytes
+        counters["arena_page_bytes"] = self.arena.page_bytes
         return {
             "tiers": {name: s.to_dict() for name, s in tiers.items()},
-            "store": self.counters.snapshot(),
+            "store": counters,
+            "info": {
+                "write_policy": self.write_policy.name,
+                "arena_page": f"{self.arena.page_bytes >> 10} KiB, {self.arena.page_kind}",
+            },
             "layouts": len(self._layouts),
         }
 
+    def drain(self, budget_s: float) -> DrainReport:
+        """Graceful stop: stop write-through, then write DRAM-only blocks to
+        NVMe, most recently used first, for at most ``budget_s`` (see
+        ``tierstore.store.writer.drain``). Logs one line, keeps the report in
+        the NVMe directory (the next start shows it) and returns it."""
+        if self.writer is not None:
+            self.writer.close()
+        if self.nvme is None:
+            return DrainReport(budget_s=budget_s)
+        with self._evict_lock:  # no spill races the drain for the same blocks
+            report = drain(self.dram, self.nvme, budget_s, self.config.demote_batch_blocks)
+        (log.warning if report.dropped_blocks else log.info)("%s", report.line())
+        report.save(self.nvme.root)
+        self.last_drain = report
+        return report
+
     def close(self) -> None:
-        """Stop the demoter, close NVMe (index flushed) and the arena. Idempotent."""
+        """Stop the demoter and the writer, close NVMe (index flushed) and the
+        arena. Idempotent."""
         with self._wake:
             if self._closing:
                 return
             self._closing = True
             self._wake.notify_all()
         self._demoter.join(timeout=30)
+        if self.writer is not None:
+            self.writer.close()
         self.promoter.close()
         with self._evict_lock:
             if self.nvme is not None:

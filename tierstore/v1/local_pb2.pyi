@@ -230,7 +230,7 @@ class ReportTiersReply(_message.Message):
     def __init__(self) -> None: ...
 
 class StatReply(_message.Message):
-    __slots__ = ("tiers", "counters", "clients", "version", "uptime_s", "socket_path", "nvme_dir", "load", "failed_workers")
+    __slots__ = ("tiers", "counters", "clients", "version", "uptime_s", "socket_path", "nvme_dir", "load", "failed_workers", "info")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,13 @@ class StatReply(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class InfoEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TIERS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     CLIENTS_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +254,7 @@ class StatReply(_message.Message):
     NVME_DIR_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     FAILED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStat]
     counters: _containers.ScalarMap[str, int]
     clients: _containers.RepeatedCompositeFieldContainer[ClientInfo]
@@ -256,4 +264,5 @@ class StatReply(_message.Message):
     nvme_dir: str
     load: _common_pb2.HostLoad
     failed_workers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.TierStat, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., clients: _Optional[_Iterable[_Union[ClientInfo, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., socket_path: _Optional[str] = ..., nvme_dir: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.HostLoad, _Mapping]] = ..., failed_workers: _Optional[_Iterable[str]] = ...) -> None: ...
+    info: _containers.ScalarMap[str, str]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[_common_pb2.TierStat, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., clients: _Optional[_Iterable[_Union[ClientInfo, _Mapping]]] = ..., version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., socket_path: _Optional[str] = ..., nvme_dir: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.HostLoad, _Mapping]] = ..., failed_workers: _Optional[_Iterable[str]] = ..., info: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import blake3
 
+from tierstore.counters import Counters
 from tierstore.keys import BlockKey
 from tierstore.load import RateMeter
 from tierstore.tiers import TierName, TierStats
@@ -42,6 +44,8 @@ class FakeNvme:
         self.raise_on: set[BlockKey] = set()
         self.closed = False
         self.stats_ = TierStats(capacity_bytes=0)
+        self.counters = Counters(())  # the real tier's disk-full figures; none here
+        self.root: Path | None = None  # no directory: no drain report is kept
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [k in self.blocks for k in keys]
