@@ -56,6 +56,27 @@ WRITER_COUNTERS = (
 )
 WRITER_GAUGES = frozenset({"write_queue_blocks", "write_queue_bytes"})
 DRAIN_FILE = "last_drain.json"
+BATCH_BYTES = 8 << 20
+"""A write batch (one fdatasync) holds at least ``batch_blocks`` blocks and
+at least this many bytes: small blocks would otherwise pay a sync each few KiB."""
+
+
+def _batch_end(sizes: Sequence[int], start: int, stop: int, batch_blocks: int) -> int:
+    """End of a batch from ``start`` (at most ``stop``): see ``BATCH_BYTES``."""
+    end, nbytes = start, 0
+    while end < stop and (end - start < batch_blocks or nbytes < BATCH_BYTES):
+        nbytes += sizes[end]
+        end += 1
+    return end
+
+
+def _batch_start(sizes: Sequence[int], lo: int, end: int, batch_blocks: int) -> int:
+    """Start of a batch that ends at ``end`` (at least ``lo``): the same rule backwards."""
+    start, nbytes = end, 0
+    while start > lo and (end - start < batch_blocks or nbytes < BATCH_BYTES):
+        start -= 1
+        nbytes += sizes[start]
+    return start
 
 
 class NvmeWriter:
@@ -162,9 +183,11 @@ class NvmeWriter:
             if self._closed:
                 return None
             batch: list[BlockKey] = []
-            while self._queue and len(batch) < self.batch_blocks:
-                key, nbytes = self._queue.popitem(last=False)
-                self._in_flight[key] = nbytes
+            nbytes = 0
+            while self._queue and (len(batch) < self.batch_blocks or nbytes < BATCH_BYTES):
+                key, size = self._queue.popitem(last=False)
+                self._in_flight[key] = size
+                nbytes += size
                 batch.append(key)
             return batch
 
@@ -307,28 +330,46 @@ class DrainReport:
 
 
 def drain(dram: DramTier, nvme: NvmeTier, budget_s: float, batch_blocks: int) -> DrainReport:
-    """Write DRAM-only blocks to NVMe, most recently used first, until
-    ``budget_s`` is spent (a batch starts only if the last one's time still
-    fits) or the NVMe tier's capacity is used (more would evict what was just
-    drained). Blocks pinned by readers are written too (a pin only reads)."""
+    """Write DRAM-only blocks to NVMe within ``budget_s``: the most recently
+    used ones, as many as the measured write rate says fit in the time left
+    (and in the NVMe tier's capacity: more would evict what was just
+    drained). Within that set, older blocks are written first: a prefix is
+    older than its continuation (it was stored and read first), so a drain cut
+    short keeps heads of prefixes, which a lookup can use, rather than tails,
+    which it cannot. The first batch, from the most recent end, measures the
+    rate. A batch starts only while the last batch's time still fits."""
     started = time.monotonic()
     deadline = started + budget_s
     keys = dram.keys_most_recent_first()
     keys = [k for k, held in zip(keys, nvme.contains(keys)) if not held]
     sizes = dram.nbytes_of(keys)
+    cum = [0]
+    for n in sizes:
+        cum.append(cum[-1] + n)
+    lo, hi = 0, len(keys)  # keys[lo:hi] wait; keys[0] is the most recent
     room = nvme.stats().capacity_bytes
+    while hi > lo and cum[hi] > room:
+        hi -= 1
     blocks = nbytes = 0
     batch_s = 0.0
-    i = 0
-    while i < len(keys) and budget_s > 0:
+    while lo < hi and budget_s > 0:
         now = time.monotonic()
         if now + batch_s > deadline:
             break
-        batch = keys[i : i + batch_blocks]
-        want = sum(sizes[i : i + len(batch)])
-        if nbytes + want > room:
-            break
-        i += len(batch)
+        if blocks == 0:  # probe the rate with the most recent blocks
+            end = _batch_end(sizes, lo, hi, batch_blocks)
+            batch = keys[lo:end]
+            lo = end
+        else:
+            rate = nbytes / max(now - started, 1e-6)
+            fit = rate * (deadline - now)
+            while hi > lo and cum[hi] - cum[lo] > fit:
+                hi -= 1
+            if hi == lo:
+                break
+            start = _batch_start(sizes, lo, hi, batch_blocks)
+            batch = keys[start:hi]
+            hi = start
         entries, _ = pin_dram_only(dram, nvme, batch)
         try:
             written, _failed, wrote = write_entries(dram, nvme, entries)
@@ -341,7 +382,7 @@ def drain(dram: DramTier, nvme: NvmeTier, budget_s: float, batch_blocks: int) ->
         blocks=blocks,
         bytes=nbytes,
         dropped_blocks=len(keys) - blocks,
-        dropped_bytes=sum(sizes) - nbytes,
+        dropped_bytes=cum[-1] - nbytes,
         seconds=time.monotonic() - started,
         budget_s=budget_s,
     )
