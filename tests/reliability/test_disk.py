@@ -16,11 +16,12 @@ blake3 or could not be read in full, with its offset and file (nvme.py
 ``_drop_failed``).
 
 On a full disk the NVMe tier caps itself at what its data file holds and
-evicts old blocks for new ones (nvme.py ``_full_at_bytes``), but its LMDB index
-lives on the same full filesystem: many index commits fail with ENOSPC too,
-so a large share of later spills keeps failing (counted, and logged as the
-failed index commit and the store's failed spill). The test asserts both
-halves of that.
+evicts old blocks for new ones (nvme.py ``_full_at_bytes``); its LMDB index
+lives on the same full filesystem but keeps room reserved past its end
+(``nvme_index_reserve_bytes``), so index commits, and with them spills, keep
+succeeding while the disk stays full. When room is freed, a write after the
+backoff (``nvme_full_backoff_s``) sees it and lifts the cap: the tier grows
+again without a restart (``nvme_full_resumed``).
 
 Mounting needs root and mount(8); those tests skip without them.
 """
@@ -33,6 +34,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,14 +110,18 @@ def log_line(sidecar: Sidecar, pattern: str) -> str:
 @needs_mount
 def test_full_disk(tmp_path: Path, small_disk: Path) -> None:
     ballast = small_disk / "ballast"  # the operator's other files on that disk
-    ballast.write_bytes(b"\1" * (1 << 20))
-    sidecar = Sidecar(tmp_path, dram="1MiB", nvme="64MiB", nvme_dir=small_disk / "nvme")
+    ballast.write_bytes(b"\1" * (3 << 20))
+    sidecar = Sidecar(
+        tmp_path, "--set", "nvme_index_reserve_bytes=1MiB", "--set", "nvme_full_backoff_s=0.2",
+        dram="1MiB", nvme="64MiB", nvme_dir=small_disk / "nvme",
+    )  # fmt: skip
     sidecar.start()
     try:
         with StoreClient(str(sidecar.socket)) as client:
             store_chains(client, range(60))  # 15 MiB through a 1 MiB arena onto 8 MiB
             c = sidecar.counters()
             nvme = sidecar.tier("nvme")
+            assert c["nvme_full_events"] > 0 and c["nvme_disk_full"] == 1, c
             assert c["spill_failures"] > 0 and nvme.write_failures > 0, (c, nvme)
             assert c["spilled_blocks"] > 0
             assert sidecar.alive()
@@ -128,28 +134,29 @@ def test_full_disk(tmp_path: Path, small_disk: Path) -> None:
             assert held > 0 and missing > 0  # some spilled in time, some were lost
             full = sidecar.counters(), sidecar.tier("nvme")
 
-            # The disk stays full: later spills keep failing. The tier capped
-            # its data file at what it holds (new blocks would evict old ones,
-            # whose slots are on disk), but every eviction and every new block
-            # needs an LMDB commit, and the index shares the full filesystem:
-            # its commits fail with ENOSPC too (seen: all or most of them).
+            # The disk stays full: the capped tier evicts old blocks for new
+            # ones, and the index commits from its reserve: spills go on.
             store_chains(client, range(100, 120))
             stuck = sidecar.counters(), sidecar.tier("nvme")
-            assert stuck[0]["spill_failures"] > full[0]["spill_failures"], (full[0], stuck[0])
-            assert "No space left" in log_line(sidecar, r"NVMe index commit in .* failed")
+            assert stuck[0]["spilled_blocks"] > full[0]["spilled_blocks"], (full[0], stuck[0])
+            assert stuck[1].evictions > full[1].evictions
+            assert stuck[0]["nvme_disk_full"] == 1
+            assert "NVMe index commit" not in sidecar.log()
+            capped = stuck[1].used_bytes
 
-            # Room freed on the filesystem (the ballast goes): the index commits
-            # again, and the capped tier evicts old blocks for new ones.
+            # Room freed (the ballast goes): after the backoff a spill sees it,
+            # the cap is lifted, and the tier grows past what it held.
             ballast.unlink()
+            threading.Event().wait(0.5)  # past nvme_full_backoff_s (0.2 s, doubled once)
             store_chains(client, range(200, 220))
             c, nvme = sidecar.counters(), sidecar.tier("nvme")
-            assert nvme.evictions > stuck[1].evictions, (stuck[1], nvme)
+            assert c["nvme_full_resumed"] >= 1 and c["nvme_full_rechecks"] >= 1, c
+            assert nvme.used_bytes > capped, (capped, nvme)
             assert c["spilled_blocks"] > stuck[0]["spilled_blocks"], (stuck[0], c)
-            assert nvme.used_bytes <= 8 << 20
             assert sidecar.alive()
             check_truthful(client, keys[:40])
             # Still a working cache: the newest chain is in DRAM and exact.
-            last = chain(119, CHAIN_BLOCKS)
+            last = chain(219, CHAIN_BLOCKS)
             res = client.load(LAYOUT, last)
             assert (
                 res.num_blocks == CHAIN_BLOCKS and count_wrong(last, res.blocks, CHAIN_BLOCKS) == 0
@@ -158,14 +165,21 @@ def test_full_disk(tmp_path: Path, small_disk: Path) -> None:
         write_line = log_line(
             sidecar, rf"WARNING.*NVMe write of \d+ blocks to {data} failed: .*No space left"
         )
-        spill_line = log_line(sidecar, r"WARNING.*spill to NVMe failed for \d+ of \d+ blocks")
+        resume_line = log_line(sidecar, r"the disk has room again")
+        # Nothing stored is damaged: a restart on the same directory reads
+        # every indexed block back verified.
+        sidecar.stop()
+        sidecar.start()
+        with StoreClient(str(sidecar.socket)) as client:
+            check_truthful(client, keys[:40] + chain(205, CHAIN_BLOCKS))
+            assert sidecar.tier("nvme").verify_failures == 0
         print(
-            f"\ndisk full (filled, still full, 1 MiB freed): spill_failures "
+            f"\ndisk full (filled, still full, freed): spill_failures "
             f"{'/'.join(str(x[0]['spill_failures']) for x in (full, stuck, (c, nvme)))}, "
             f"spilled {'/'.join(str(x[0]['spilled_blocks']) for x in (full, stuck, (c, nvme)))}"
-            f", nvme evictions {'/'.join(str(x[1].evictions) for x in (full, stuck, (c, nvme)))}"
-            f"; truthful lookups checked {len(keys) + 40}; logged:\n"
-            f"  {write_line}\n  {spill_line}"
+            f", nvme used {full[1].used_bytes >> 10}/{capped >> 10}/{nvme.used_bytes >> 10} KiB"
+            f", rechecks {c['nvme_full_rechecks']}, resumed {c['nvme_full_resumed']}; logged:\n"
+            f"  {write_line}\n  {resume_line}"
         )
     finally:
         sidecar.stop()

@@ -105,6 +105,10 @@ def prepare_root(root: Path) -> None:
             os.close(fd)
         probe.unlink()
     except OSError as e:
+        if e.errno == errno.ENOSPC:  # writable, but full: serve what it holds (capped)
+            probe.unlink(missing_ok=True)
+            logger.warning("NVMe tier directory %s: the disk is full", root)
+            return
         raise StorageError(f"NVMe tier directory {root} is not writable: {e.strerror or e}") from e
 
 
