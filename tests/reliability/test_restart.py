@@ -19,7 +19,7 @@ import pytest
 from tierstore.client import StoreClient
 from tierstore.tiers import TierName
 
-from . import BLOCK, LAYOUT, Sidecar, blocks_of, chain, count_wrong
+from .harness import BLOCK, LAYOUT, Sidecar, blocks_of, chain, count_wrong
 
 CHAIN_BLOCKS = 32
 
