@@ -1,4 +1,4 @@
-"""Eviction and admission policies: pure, fast, parametrized over every policy."""
+"""Eviction, admission and write policies: pure, fast, parametrized over every policy."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey
 from tierstore.policies import (
     EVICTION_POLICIES,
+    WRITE_POLICIES,
     SeenTwiceAdmit,
+    WriteThroughSelective,
     make_admission_policy,
     make_eviction_policy,
+    make_write_policy,
 )
 
 
@@ -112,3 +115,28 @@ def test_rendezvous_target_is_deterministic_and_stable() -> None:
     moved = [s for s, t in targets.items() if rendezvous_target(s, fewer, members[0]) != t]
     assert all(targets[s] == members[3] for s in moved)  # only the removed member's sessions move
     assert rendezvous_target("s", [members[0]], exclude=members[0]) is None
+
+
+# -- write policies ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", WRITE_POLICIES)
+def test_write_policies_by_name(name: str) -> None:
+    policy = make_write_policy(name, min_tokens=100)
+    assert policy.name == name
+    assert policy.on_commit(k(1)) == (name == "write_through")
+    assert policy.on_turn(100) == (name == "write_through_selective")
+    assert not policy.on_turn(99)
+    assert policy.watches_hits == (name == "write_through_selective")
+
+
+def test_selective_writes_a_block_read_again_once() -> None:
+    policy = WriteThroughSelective(min_tokens=100, history_keys=2)
+    assert policy.on_hit(k(1)) and not policy.on_hit(k(1))
+    assert policy.on_hit(k(2)) and policy.on_hit(k(3))  # k(1) leaves the bounded history
+    assert policy.on_hit(k(1))
+
+
+def test_unknown_write_policy_names_the_choices() -> None:
+    with pytest.raises(ConfigError, match="write_through_selective"):
+        make_write_policy("write_around")
