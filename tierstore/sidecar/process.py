@@ -174,9 +174,11 @@ class Sidecar:
             self.peer_server.stop(self.config.server.shutdown_grace_s)
         if hasattr(self, "servicer"):
             self.servicer.prefetcher.close()
-        if drain:
-            self.store.drain(self.config.server.shutdown_drain_s)
-        self.store.close()
+        try:
+            if drain:
+                self.store.drain(self.config.server.shutdown_drain_s)
+        finally:
+            self.store.close()
         self.socket_path.unlink(missing_ok=True)
         self._lock.close()
 

@@ -135,12 +135,15 @@ class NvmeWriter:
         if not keys:
             return
         sizes = self.dram.nbytes_of(keys)
-        queued = dropped = 0
+        queued = dropped = never = 0
         with self._lock:
             if self._closed:
                 return
             for key, nbytes in zip(keys, sizes):
                 if nbytes == 0 or key in self._queue or key in self._in_flight:
+                    continue
+                if nbytes > self.queue_bytes_max:
+                    never += 1  # larger than the whole queue: write-back only, no resync
                     continue
                 if self._queued_bytes + nbytes > self.queue_bytes_max:
                     dropped += 1
@@ -152,7 +155,7 @@ class NvmeWriter:
             if queued:
                 self._ready.notify()
             self._publish_gauges()
-        self.counters.add_many({"write_queued": queued, "write_dropped": dropped})
+        self.counters.add_many({"write_queued": queued, "write_dropped": dropped + never})
 
     # -- the worker -------------------------------------------------------------------
 
