@@ -246,9 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, object] = {"block_bytes": LAYOUT.block_bytes, "data_bytes": total}
     with tempfile.TemporaryDirectory(dir=base) as tmp_s:
         tmp = Path(tmp_s)
-        for gib in sizes:  # best of 2: start-up is mostly Python imports on a shared machine
+        for gib in sizes:  # best of 3: start-up is mostly Python imports on a shared machine
             runs = []
-            for r in range(2):
+            for r in range(3):
                 d = tmp / f"start-{gib}-{r}"
                 d.mkdir()
                 runs.append(bench_start(d, gib << 30, "background"))

@@ -25,6 +25,8 @@ which of them.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import mmap
 import os
@@ -33,6 +35,7 @@ import secrets
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +47,21 @@ PAGE_BYTES = mmap.PAGESIZE
 UNIT_BYTES = 2 << 20  # preparation unit: one x86-64 huge page (larger huge pages: one page)
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module names it only on 3.12+
 MADV_HUGEPAGE = 14
+
+
+def _libc_madvise() -> Any:
+    """libc's madvise through ctypes, which releases the GIL while it runs
+    (Python's mmap.madvise holds it: a populator would stall every thread)."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise()
 
 
 def _mount_of(directory: Path) -> tuple[str, str]:
@@ -140,6 +158,7 @@ class Arena:
         self._unit_lock = threading.Lock()
         self.buf = memoryview(self._map)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self._address = self.array.ctypes.data  # for madvise without the GIL
 
     def _page_size(self) -> tuple[int, str]:
         """The page size the kernel maps this file with, and how it got it."""
@@ -191,10 +210,11 @@ class Arena:
                     return False
             # Page tables now, without touching the bytes (Linux 5.14+; an
             # older kernel refuses it, and first copies fault page by page).
-            with contextlib.suppress(OSError, ValueError):
-                self._map.madvise(
-                    getattr(mmap, "MADV_POPULATE_WRITE", MADV_POPULATE_WRITE), start, length
-                )
+            if _madvise is not None:
+                _madvise(self._address + start, length, MADV_POPULATE_WRITE)
+            else:
+                with contextlib.suppress(OSError, ValueError):
+                    self._map.madvise(MADV_POPULATE_WRITE, start, length)
             self._ready[unit] = 1
             self._ready_units += 1
             return True
@@ -247,6 +267,14 @@ class Arena:
                 f"arena of {size_bytes / 2**30:.2f} GiB exceeds the machine's available "
                 f"memory ({available / 2**30:.2f} GiB); lower dram_bytes"
             )
+        fstype, _ = _mount_of(directory)
+        if fstype == "hugetlbfs":
+            huge = os.statvfs(directory).f_bsize
+            if size_bytes % huge:
+                raise ArenaError(
+                    f"arena size {size_bytes} is not a multiple of {directory}'s huge page "
+                    f"({huge} bytes); round dram_bytes to it"
+                )
         remove_stale_arenas(directory)
         name = f"tierstore-{tag + '-' if tag else ''}{os.getpid()}-{secrets.token_hex(4)}"
         path = directory / name

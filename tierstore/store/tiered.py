@@ -17,7 +17,9 @@ same-key promotions coalesced) is ``tierstore.store.promoter``'s.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -44,6 +46,7 @@ from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)
+POPULATOR_NICE = 10  # the arena populator thread's niceness (Linux: per thread)
 # stat()["store"] figures that go down too (gauges for /metrics).
 STORE_GAUGES = (
     WRITER_GAUGES
@@ -523,6 +526,9 @@ class TieredStore:
                     self._spill(victims)
 
     def _populate(self) -> None:
+        # Background work: serving threads come first on a busy host.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POPULATOR_NICE)
         started = time.monotonic()
         if self.arena.populate(stop=lambda: self._closing):
             log.info(
