@@ -184,7 +184,6 @@ class TieredStore:
                 self.nvme,
                 self.write_policy,
                 queue_bytes=config.write_queue_bytes,
-                batch_blocks=config.demote_batch_blocks,
                 workers=self.workers,
             )
         self.last_drain = DrainReport.load(self.nvme.root) if self.nvme is not None else None

@@ -58,8 +58,9 @@ WRITER_GAUGES = frozenset({"write_queue_blocks", "write_queue_bytes"})
 DRAIN_FILE = "last_drain.json"
 PINNED_SHARE_DIVISOR = 16  # the write-through batch pins at most 1/16 of DRAM
 BATCH_BYTES = 8 << 20
-"""A write batch (one fdatasync) holds at least ``batch_blocks`` blocks and
-at least this many bytes: small blocks would otherwise pay a sync each few KiB."""
+"""A drain batch (one fdatasync) holds at least ``batch_blocks`` blocks and
+at least this many bytes, a writer batch at most this many bytes: small
+blocks would otherwise pay a sync each few KiB."""
 
 
 def _batch_end(sizes: Sequence[int], start: int, stop: int, batch_blocks: int) -> int:
@@ -90,16 +91,15 @@ class NvmeWriter:
         policy: WritePolicy,
         *,
         queue_bytes: int,
-        batch_blocks: int,
         workers: Workers,
     ) -> None:
         self.dram = dram
         self.nvme = nvme
         self.policy = policy
         self.queue_bytes_max = queue_bytes
-        self.batch_blocks = batch_blocks
-        # The batch in flight is pinned in DRAM: keep it a small share of the
-        # tier, so eviction always finds victims beside it.
+        # A batch (one fdatasync) takes what waits, up to BATCH_BYTES; it is
+        # pinned in DRAM while it is written, so it is also kept a small
+        # share of the tier: eviction always finds victims beside it.
         self.batch_bytes = min(BATCH_BYTES, dram.allocator.capacity_bytes // PINNED_SHARE_DIVISOR)
         self.counters = Counters(WRITER_COUNTERS)
         self._lock = threading.Lock()
@@ -191,9 +191,7 @@ class NvmeWriter:
                 return None
             batch: list[BlockKey] = []
             nbytes = 0
-            while self._queue and (
-                not batch or (len(batch) < self.batch_blocks and nbytes < self.batch_bytes)
-            ):
+            while self._queue and (not batch or nbytes < self.batch_bytes):
                 key, size = self._queue.popitem(last=False)
                 self._in_flight[key] = size
                 nbytes += size

@@ -73,7 +73,7 @@ def wait_until(cond: Any) -> None:
 def make_writer(dram: DramTier, nvme: FakeNvme, policy: Any, queue_blocks: int) -> NvmeWriter:
     return NvmeWriter(
         dram, cast(NvmeTier, nvme), policy,
-        queue_bytes=queue_blocks * L.block_bytes, batch_blocks=8, workers=Workers(),
+        queue_bytes=queue_blocks * L.block_bytes, workers=Workers(),
     )  # fmt: skip
 
 
