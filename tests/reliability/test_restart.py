@@ -109,7 +109,7 @@ def test_sigkill_under_write_through_loses_at_most_the_queue(tmp_path: Path) -> 
                 except Exception:  # the sidecar died under the call
                     break
                 stored.append(seed)
-                threading.Event().wait(0.02)  # a put rate the disk sustains (~12 MB/s)
+                threading.Event().wait(0.005)  # a put rate the disk sustains (~50 MB/s)
             killed.set()
             killer.join(30)
         assert at_kill, "the sidecar was not killed under load"
