@@ -5,7 +5,8 @@ Provides:
 - pure policy objects, one per mode (``BestEffort``, ``WaitAll``,
   ``Timeout``), that answer only "how long may the caller wait";
 - ``Prefetcher``: a bounded queue and worker threads that promote a prefix of
-  keys (NVMe -> DRAM) through ``TieredStore.acquire`` / ``release``, stop at
+  keys (NVMe -> DRAM, and remote -> DRAM first when the store has a remote
+  tier) through ``TieredStore.acquire`` / ``release``, stop at
   the first block that is not available, and are cancelled at a deadline.
 
 Runs in the sidecar. ``submit`` is called from RPC threads; workers are the
@@ -168,6 +169,14 @@ class Prefetcher:
                 job.done.set()
 
     def _promote(self, job: PrefetchJob) -> None:
+        if self.store.remote is not None and job.available_blocks < len(job.keys):
+            # Remote tier: bring the rest of the prefix from the bucket under the job's deadline.
+            left = self.store.remote.cfg.remote_fetch_timeout_s
+            if job.deadline is not None:
+                left = min(left, job.deadline - time.monotonic())
+            if left > 0:
+                pulled = self.store.pull_remote(job.layout, job.keys, left)
+                job.available_blocks = max(job.available_blocks, pulled)
         keys = job.keys[: job.available_blocks]
         for lo in range(0, len(keys), PROMOTE_CHUNK_BLOCKS):
             if job.late or job.cancelled:

@@ -292,6 +292,11 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             timeout_s = self._peer_deadline(request, self.config.peer.peer_lookup_timeout_s)
             _, more = self.peers.lookup(layout, keys[res.num_hits :], timeout_s)
             tiers += bytes([TIER_CODES[TierName.PEER]]) * more
+        if request.include_peers and self.store.remote is not None and len(tiers) < len(keys):
+            # Remote tier: after the local tiers and the peers, under the same deadline rule.
+            timeout_s = self._peer_deadline(request, self.config.remote.remote_lookup_timeout_s)
+            more = self.store.lookup_remote(layout, keys[len(tiers) :], timeout_s)
+            tiers += bytes([TIER_CODES[TierName.REMOTE]]) * more
         return local_pb2.LookupReply(num_hits=len(tiers), tiers=tiers)
 
     def _peer_deadline(self, request: Any, default_s: float) -> float:
@@ -310,6 +315,11 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             timeout_s = self._peer_deadline(request, self.config.peer.fetch_timeout_s)
             if self.peers.pull(layout, keys[len(entries) :], timeout_s):
                 entries += self.store.acquire(layout, keys[len(entries) :], owner)
+        if request.include_peers and self.store.remote is not None and len(entries) < len(keys):
+            # Remote tier: pull the rest of the prefix from the bucket, then pin it.
+            timeout_s = self._peer_deadline(request, self.config.remote.remote_fetch_timeout_s)
+            if self.store.pull_remote(layout, keys[len(entries) :], timeout_s):
+                entries += self.store.acquire(layout, keys[len(entries) :], owner)
         self.store.adopt([e.key for e in entries])
         self._release_if_detached(owner)
         return local_pb2.AcquireReply(offsets=[e.offset for e in entries])
@@ -323,6 +333,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         if not request.session or len(request.session) > 256:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "session must be 1-256 characters")
         self.store.adopt(keys)
+        self.store.end_turn_remote(layout, keys, request.num_tokens)  # remote tier: write-through
         if self.peers is None:
             if request.replica_target:
                 raise BadRequest(

@@ -1,0 +1,103 @@
+"""Moving blocks up from the remote tier: remote -> DRAM.
+
+Provides ``pull_prefix``, which brings the longest prefix of a request's
+keys that this host lacks from the bucket into DRAM, with up to
+``remote_read_depth`` GETs in flight: while one block is verified (blake3)
+and copied into its slot, the next ones are on the wire. A DRAM slot is
+reserved only once a block's bytes arrived and verified, so a deadline or
+an unreachable store never leaves a reservation or a pin behind; the
+pulled blocks are committed unpinned (the caller's ``acquire`` pins them).
+
+Runs on the calling thread (a gRPC handler or a prefetch worker); the GETs
+run on the remote client's loop thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from tierstore.keys import BlockKey, KVLayout
+from tierstore.memory.memcopy import copy_into
+from tierstore.store.dram import STORE_OWNER, ReserveStatus
+
+if TYPE_CHECKING:
+    from tierstore.store.tiered import TieredStore
+
+
+def pull_prefix(
+    store: TieredStore, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float
+) -> int:
+    """Pull the blocks of ``keys`` this host does not hold, in order, until
+    the first that the bucket lacks, fails verification, or misses the
+    deadline. Returns how many leading keys are held afterwards (here or
+    pulled)."""
+    remote = store.remote
+    if remote is None or not keys:
+        return 0
+    deadline = time.monotonic() + timeout_s
+    held = store.held(keys)
+    todo = [i for i, h in enumerate(held) if not h]
+    if not todo:
+        return len(keys)
+    fp, nbytes = layout.fingerprint, layout.block_bytes
+    remote.counters.add("remote_pulls")
+    waiting = iter(todo)
+    in_flight: deque[tuple[int, concurrent.futures.Future[Any]]] = deque()
+
+    def submit_next() -> None:
+        i = next(waiting, None)
+        if i is not None:
+            in_flight.append((i, remote.get(fp, keys[i])))
+
+    for _ in range(remote.cfg.remote_read_depth):
+        submit_next()
+    pulled = 0
+    try:
+        while in_flight:
+            i, fut = in_flight.popleft()
+            try:
+                result = fut.result(max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                remote.counters.add("remote_pull_timeouts")
+                return _held_prefix(held)
+            payload = remote.verify(result, fp, keys[i], nbytes)
+            if payload is None or not _commit(store, layout, keys[i], payload):
+                return _held_prefix(held)
+            held[i] = True
+            pulled += 1
+            submit_next()
+        return len(keys)
+    finally:
+        for _, fut in in_flight:
+            fut.cancel()  # their results are dropped: nothing was reserved for them
+        remote.counters.add("remote_pulled_blocks", pulled)
+
+
+def _held_prefix(held: list[bool]) -> int:
+    n = 0
+    while n < len(held) and held[n]:
+        n += 1
+    return n
+
+
+def _commit(store: TieredStore, layout: KVLayout, key: BlockKey, payload: memoryview) -> bool:
+    fp, nbytes = layout.fingerprint, layout.block_bytes
+    status, entry = store.dram.reserve(key, fp, nbytes, STORE_OWNER)
+    if status == ReserveStatus.FULL and store.make_room(nbytes):
+        status, entry = store.dram.reserve(key, fp, nbytes, STORE_OWNER)
+    if status == ReserveStatus.EXISTS:
+        return True  # another request brought it meanwhile
+    if status != ReserveStatus.OK or entry is None:
+        return False
+    try:
+        copy_into(store.arena.view(entry.offset, nbytes), payload)
+    except BaseException:
+        store.dram.abort([key], STORE_OWNER)
+        raise
+    store.dram.commit([key], STORE_OWNER)
+    store.maybe_wake_demoter()
+    return True
