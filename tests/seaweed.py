@@ -11,6 +11,7 @@ pooled client connections see the new mode at once.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import shutil
@@ -45,10 +46,12 @@ class SeaweedFS:
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
         conf = self.root / "s3.json"
-        conf.write_text(
-            '{"identities":[{"name":"admin","credentials":[{"accessKey":"%s","secretKey":"%s"}],'
-            '"actions":["Admin","Read","Write","List","Tagging"]}]}' % (ACCESS_KEY, SECRET_KEY)
-        )
+        identity = {
+            "name": "admin",
+            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
+        conf.write_text(json.dumps({"identities": [identity]}))
         ports = {
             name: free_port()
             for name in ("master", "master.grpc", "volume", "volume.grpc", "filer",
@@ -62,7 +65,7 @@ class SeaweedFS:
             f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['filer.grpc']}",
             f"-s3.port.grpc={ports['s3.grpc']}", f"-metricsPort={ports['metrics']}",
             "-master.volumeSizeLimitMB=256", "-volume.max=20", "-iam=false",
-            "-master.telemetry=false",
+            "-master.telemetry=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
         ]  # fmt: skip
         self.log = open(self.root / "weed.log", "ab")
         self.proc = subprocess.Popen(
@@ -115,7 +118,7 @@ class SeaweedFS:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(10)
+                self.proc.wait(3)  # it may linger after SIGTERM
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
@@ -173,9 +176,7 @@ class FaultProxy:
                 mode, delay_s = self.mode, self.delay_s
                 self.requests += 1
                 self._conns.add(client)
-            threading.Thread(
-                target=self._serve, args=(client, mode, delay_s), daemon=True
-            ).start()
+            threading.Thread(target=self._serve, args=(client, mode, delay_s), daemon=True).start()
 
     def _serve(self, client: socket.socket, mode: str, delay_s: float) -> None:
         upstream: socket.socket | None = None
@@ -211,7 +212,7 @@ class FaultProxy:
                     if not data:
                         return
                     pair[s].sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # cut by set_mode: a closed socket
             return
         finally:
             _close(client)

@@ -23,7 +23,7 @@ a HEAD of the first ``remote_lookup_window_blocks`` blocks not known
 present; the longest valid manifest vouches for everything before it.
 Each further wave HEADs up to ``remote_lookup_concurrency`` blocks after
 the prefix known so far and stops at the first absent one. A written-through
-chain of 500 blocks answers in 2 waves (8 manifests + 64 HEADs, then the
+chain of 500 blocks answers in 2 waves (7 manifests + 57 HEADs, then the
 <= 63 blocks after the last manifest); a chain that is absent answers in 1.
 Answers are kept in a bounded cache (``remote_cache_keys``, trusted for
 ``remote_cache_ttl_s``). A manifest can outlive a block that GC deleted:
@@ -207,7 +207,12 @@ class RemoteTier:
         cfg, n_keys = self.cfg, len(keys)
         every = cfg.remote_manifest_every_blocks
         checkpoints = [c for c in range(every - 1, n_keys, every) if c >= lo]
-        window = list(range(lo, min(n_keys, lo + cfg.remote_lookup_window_blocks)))
+        # The first wave fits in one round of requests: manifests, then HEADs.
+        width = max(
+            1,
+            min(cfg.remote_lookup_window_blocks, cfg.remote_lookup_concurrency - len(checkpoints)),
+        )
+        window = list(range(lo, min(n_keys, lo + width)))
         probes = [i for i in window if known[i] is not True]
         manifests = [fmt.manifest_path(self.prefix, fp, keys[c]) for c in checkpoints]
         heads = [self.path(fp, keys[i]) for i in probes]
@@ -434,6 +439,7 @@ class RemoteTier:
             return False
         with self._cond:
             self._pending += 1
+            self._gauges()
         try:
             self._jobs.put_nowait((layout, list(keys)))
         except queue.Full:

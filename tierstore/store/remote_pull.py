@@ -33,17 +33,19 @@ def pull_prefix(
 ) -> int:
     """Pull the blocks of ``keys`` this host does not hold, in order, until
     the first that the bucket lacks, fails verification, or misses the
-    deadline. Returns how many leading keys are held afterwards (here or
-    pulled)."""
+    deadline, and at most half of DRAM's worth. Returns how many leading
+    keys are held afterwards (here or pulled)."""
     remote = store.remote
     if remote is None or not keys:
         return 0
     deadline = time.monotonic() + timeout_s
     held = store.held(keys)
-    todo = [i for i, h in enumerate(held) if not h]
+    fp, nbytes = layout.fingerprint, layout.block_bytes
+    # At most half of DRAM per pull: more would only push its own first blocks out.
+    limit = max(1, store.dram.allocator.capacity_bytes // nbytes // 2)
+    todo = [i for i, h in enumerate(held) if not h][:limit]
     if not todo:
         return len(keys)
-    fp, nbytes = layout.fingerprint, layout.block_bytes
     remote.counters.add("remote_pulls")
     waiting = iter(todo)
     in_flight: deque[tuple[int, concurrent.futures.Future[Any]]] = deque()
@@ -70,7 +72,7 @@ def pull_prefix(
             held[i] = True
             pulled += 1
             submit_next()
-        return len(keys)
+        return _held_prefix(held)
     finally:
         for _, fut in in_flight:
             fut.cancel()  # their results are dropped: nothing was reserved for them
