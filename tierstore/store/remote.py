@@ -52,7 +52,7 @@ from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.policies import RemoteObject, RemotePlacement, remote_gc_victims
 from tierstore.store import remote_format as fmt
-from tierstore.store.remote_client import REQUEST_COUNTERS, RemoteClient
+from tierstore.store.remote_client import REQUEST_COUNTERS, ClientClosed, RemoteClient
 from tierstore.tiers import TierName, TierStats
 from tierstore.workers import Workers
 
@@ -63,7 +63,8 @@ COUNTERS = (
     "remote_uploads", "remote_upload_bytes", "remote_uploads_failed", "remote_upload_retries",
     "remote_uploads_skipped_present", "remote_uploads_skipped_full",
     "remote_uploads_queued", "remote_upload_bytes_queued",  # gauges
-    "remote_write_through_turns", "remote_write_through_dropped", "remote_manifests_written",
+    "remote_write_through_turns", "remote_write_through_dropped", "remote_write_through_failed",
+    "remote_manifests_written",
     "remote_reads", "remote_read_bytes", "remote_read_misses", "remote_read_failures",
     "remote_verify_failures",
     "remote_lookups", "remote_lookup_keys", "remote_lookup_hit_keys",
@@ -385,7 +386,7 @@ class RemoteTier:
     ) -> concurrent.futures.Future[bool]:
         try:
             return self.client.submit(self._upload(path, key, buf))
-        except RuntimeError:  # closed meanwhile
+        except ClientClosed:  # closed meanwhile
             self._upload_done(len(buf))
             fut: concurrent.futures.Future[bool] = concurrent.futures.Future()
             fut.set_result(False)
@@ -455,6 +456,10 @@ class RemoteTier:
                 return
             try:
                 self._write_through(*job)
+            except TimeoutError:  # the store did not answer in time: the turn stays local
+                self.counters.add("remote_write_through_failed")
+            except ClientClosed:  # the client closed under the job: shutting down
+                return
             finally:
                 self._upload_done(0)
 
@@ -512,7 +517,10 @@ class RemoteTier:
 
     def _gc_loop(self) -> None:
         while not self._gc_wake.wait(self.cfg.remote_gc_interval_s):
-            self.gc_once()
+            try:
+                self.gc_once()
+            except ClientClosed:  # the client closed under the pass: shutting down
+                return
 
     def gc_once(self) -> int:
         """List the bucket's objects under the prefix and delete the least

@@ -54,6 +54,10 @@ REQUEST_COUNTERS = (
 )
 
 
+class ClientClosed(RuntimeError):
+    """A request was submitted after ``close`` (the sidecar is shutting down)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
     path: str
@@ -163,7 +167,7 @@ class RemoteClient:
         """Run ``coro`` on the loop; the caller waits on the future with its own deadline."""
         if self._closed:
             coro.close()
-            raise RuntimeError("the remote client is closed")
+            raise ClientClosed("the remote client is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float) -> T:

@@ -195,9 +195,12 @@ def test_unreachable_store_starts_and_answers_misses(remote_config: Any) -> None
         assert tier.lookup_prefix(L.fingerprint, keys, 2.0)[0] == 0
         assert time.monotonic() - t0 < 2.5
         assert tier.offer(L.fingerprint, keys[0], memoryview(bytes(L.block_bytes)), None)
+        assert tier.end_turn(L, keys, 1 << 20)  # a long turn: its job meets the dead store
+        assert not tier.flush(0.2)  # the upload keeps retrying
     finally:
         tier.close()
     assert tier.counters.remote_uploads_failed == 1
+    assert tier.workers.failed() == {}  # no worker died of it
 
 
 class RemoteMachine(RuleBasedStateMachine):
