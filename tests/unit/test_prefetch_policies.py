@@ -44,7 +44,7 @@ class _GatedStore:
     """Stands in for TieredStore: every key is available; ``acquire`` blocks
     until ``gate`` is set, so a test decides when the worker finishes."""
 
-    remote = None  # no remote tier
+    has_remote = False  # no remote tier
 
     def __init__(self) -> None:
         self.gate = threading.Event()

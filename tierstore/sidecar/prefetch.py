@@ -169,9 +169,9 @@ class Prefetcher:
                 job.done.set()
 
     def _promote(self, job: PrefetchJob) -> None:
-        if self.store.remote is not None and job.available_blocks < len(job.keys):
+        if self.store.has_remote and job.available_blocks < len(job.keys):
             # Remote tier: bring the rest of the prefix from the bucket under the job's deadline.
-            left = self.store.remote.cfg.remote_fetch_timeout_s
+            left = self.store.remote_fetch_timeout_s
             if job.deadline is not None:
                 left = min(left, job.deadline - time.monotonic())
             if left > 0:

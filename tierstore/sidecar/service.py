@@ -292,7 +292,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             timeout_s = self._peer_deadline(request, self.config.peer.peer_lookup_timeout_s)
             _, more = self.peers.lookup(layout, keys[res.num_hits :], timeout_s)
             tiers += bytes([TIER_CODES[TierName.PEER]]) * more
-        if request.include_peers and self.store.remote is not None and len(tiers) < len(keys):
+        if request.include_peers and self.store.has_remote and len(tiers) < len(keys):
             tiers = self._lookup_remote(request, layout, keys, tiers)
         return local_pb2.LookupReply(num_hits=len(tiers), tiers=tiers)
 
@@ -334,7 +334,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             timeout_s = self._peer_deadline(request, self.config.peer.fetch_timeout_s)
             if self.peers.pull(layout, keys[len(entries) :], timeout_s):
                 entries += self.store.acquire(layout, keys[len(entries) :], owner)
-        if request.include_peers and self.store.remote is not None and len(entries) < len(keys):
+        if request.include_peers and self.store.has_remote and len(entries) < len(keys):
             # Remote tier: pull the rest of the prefix from the bucket, then pin it.
             timeout_s = self._peer_deadline(request, self.config.remote.remote_fetch_timeout_s)
             if self.store.pull_remote(layout, keys[len(entries) :], timeout_s):

@@ -8,8 +8,10 @@ reserved only once a block's bytes arrived and verified, so a deadline or
 an unreachable store never leaves a reservation or a pin behind; the
 pulled blocks are committed unpinned (the caller's ``acquire`` pins them).
 
-Runs on the calling thread (a gRPC handler or a prefetch worker); the GETs
-run on the remote client's loop thread.
+Like the promoter, it gets its collaborators explicitly (the remote tier,
+the DRAM tier, the arena, ``make_room``, ``on_pulled``) and never calls back
+into the store. Runs on the calling thread (a gRPC handler or a prefetch
+worker); the GETs run on the remote client's loop thread.
 """
 
 from __future__ import annotations
@@ -17,32 +19,39 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections import deque
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from tierstore.keys import BlockKey, KVLayout
+from tierstore.memory.arena import Arena
 from tierstore.memory.memcopy import copy_into
-from tierstore.store.dram import STORE_OWNER, ReserveStatus
-
-if TYPE_CHECKING:
-    from tierstore.store.tiered import TieredStore
+from tierstore.store.dram import STORE_OWNER, DramTier, ReserveStatus
+from tierstore.store.remote import RemoteTier
 
 
 def pull_prefix(
-    store: TieredStore, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float
+    remote: RemoteTier,
+    dram: DramTier,
+    arena: Arena,
+    layout: KVLayout,
+    keys: Sequence[BlockKey],
+    held: list[bool],
+    timeout_s: float,
+    *,
+    make_room: Callable[[int], bool],
+    on_pulled: Callable[[], None],
 ) -> int:
-    """Pull the blocks of ``keys`` this host does not hold, in order, until
-    the first that the bucket lacks, fails verification, or misses the
-    deadline, and at most half of DRAM's worth. Returns how many leading
+    """Pull the blocks of ``keys`` that are not ``held`` here, in order,
+    until the first that the bucket lacks, fails verification, or misses
+    the deadline, and at most half of DRAM's worth. Returns how many leading
     keys are held afterwards (here or pulled)."""
-    remote = store.remote
-    if remote is None or not keys:
+    if not keys:
         return 0
     deadline = time.monotonic() + timeout_s
-    held = store.held(keys)
+    held = list(held)
     fp, nbytes = layout.fingerprint, layout.block_bytes
     # At most half of DRAM per pull: more would only push its own first blocks out.
-    limit = max(1, store.dram.allocator.capacity_bytes // nbytes // 2)
+    limit = max(1, dram.allocator.capacity_bytes // nbytes // 2)
     todo = [i for i, h in enumerate(held) if not h][:limit]
     if not todo:
         return len(keys)
@@ -67,10 +76,11 @@ def pull_prefix(
                 remote.counters.add("remote_pull_timeouts")
                 return _held_prefix(held)
             payload = remote.verify(result, fp, keys[i], nbytes)
-            if payload is None or not _commit(store, layout, keys[i], payload):
+            if payload is None or not _commit(dram, arena, layout, keys[i], payload, make_room):
                 return _held_prefix(held)
             held[i] = True
             pulled += 1
+            on_pulled()
             submit_next()
         return _held_prefix(held)
     finally:
@@ -86,20 +96,26 @@ def _held_prefix(held: list[bool]) -> int:
     return n
 
 
-def _commit(store: TieredStore, layout: KVLayout, key: BlockKey, payload: memoryview) -> bool:
+def _commit(
+    dram: DramTier,
+    arena: Arena,
+    layout: KVLayout,
+    key: BlockKey,
+    payload: memoryview,
+    make_room: Callable[[int], bool],
+) -> bool:
     fp, nbytes = layout.fingerprint, layout.block_bytes
-    status, entry = store.dram.reserve(key, fp, nbytes, STORE_OWNER)
-    if status == ReserveStatus.FULL and store.make_room(nbytes):
-        status, entry = store.dram.reserve(key, fp, nbytes, STORE_OWNER)
+    status, entry = dram.reserve(key, fp, nbytes, STORE_OWNER)
+    if status == ReserveStatus.FULL and make_room(nbytes):
+        status, entry = dram.reserve(key, fp, nbytes, STORE_OWNER)
     if status == ReserveStatus.EXISTS:
         return True  # another request brought it meanwhile
     if status != ReserveStatus.OK or entry is None:
         return False
     try:
-        copy_into(store.arena.view(entry.offset, nbytes), payload)
+        copy_into(arena.view(entry.offset, nbytes), payload)
     except BaseException:
-        store.dram.abort([key], STORE_OWNER)
+        dram.abort([key], STORE_OWNER)
         raise
-    store.dram.commit([key], STORE_OWNER)
-    store.maybe_wake_demoter()
+    dram.commit([key], STORE_OWNER)
     return True

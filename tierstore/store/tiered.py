@@ -492,6 +492,15 @@ class TieredStore:
                     return meta.digest
         return None
 
+    @property
+    def has_remote(self) -> bool:
+        return self.remote is not None
+
+    @property
+    def remote_fetch_timeout_s(self) -> float:
+        """Default deadline of a pull from the remote tier (0 without one)."""
+        return self.remote.cfg.remote_fetch_timeout_s if self.remote is not None else 0.0
+
     def lookup_remote(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> int:
         """How many leading ``keys`` the remote tier holds (0 without one)."""
         if self.remote is None or not keys:
@@ -501,8 +510,14 @@ class TieredStore:
     def pull_remote(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> int:
         """Bring the remote tier's blocks of the prefix into DRAM (unpinned);
         returns how many leading keys are held here afterwards."""
+        if self.remote is None or not keys:
+            return 0
         self.register_layout(layout)
-        return pull_prefix(self, layout, check_keys(keys), timeout_s)
+        keys = check_keys(keys)
+        return pull_prefix(
+            self.remote, self.dram, self.arena, layout, keys, self.held(keys), timeout_s,
+            make_room=self.make_room, on_pulled=self.maybe_wake_demoter,
+        )  # fmt: skip
 
     def end_turn_remote(self, layout: KVLayout, keys: Sequence[BlockKey], num_tokens: int) -> bool:
         """Write a long turn through to the remote tier (in the background)."""
