@@ -262,3 +262,39 @@ def test_gc_by_two_hosts_never_serves_a_wrong_block(
     finally:
         for h in hosts:
             h.close()
+
+
+def test_prefetch_pre_positions_from_peers_and_from_the_bucket(s3_env: Any, sidecars: Any) -> None:
+    from .sidecar import free_port
+
+    ports = [free_port(), free_port()]
+
+    def peer_args(i: int) -> tuple[str, ...]:
+        return (
+            "--set", f"peer_port={ports[i]}", "--set", "peer_token=pre-position",
+            "--set", f"peers=127.0.0.1:{ports[1 - i]}", "--set", "min_tokens=1000000",
+        )  # fmt: skip
+
+    a = sidecars("a", s3_env.endpoint, *peer_args(0), dram="4MiB")
+    b = sidecars("b", s3_env.endpoint, *peer_args(1), dram="4MiB")
+    on_peer, peer_data = blocks_of(24, 20)  # held by A only (never leaves its DRAM)
+    in_bucket, bucket_data = blocks_of(24, 21)  # written through to the bucket
+    with StoreClient(str(a.socket)) as ca:
+        store(ca, on_peer, peer_data)
+        store(ca, in_bucket, bucket_data)
+        ca.end_turn("bucket-session", L, in_bucket, len(in_bucket) * L.block_tokens)
+        assert wait_uploads(ca)["remote_uploads"] == 24
+    with StoreClient(str(b.socket)) as cb:
+        for keys, source in ((on_peer, "peer"), (in_bucket, "bucket")):
+            if source == "bucket":
+                a.stop()  # the peer is gone: the bucket still has the turn
+            assert cb.lookup(L, keys).num_hits == 0
+            res = cb.prefetch(L, keys, "wait")
+            assert res.ready_blocks == len(keys), source
+            here = cb.lookup(L, keys)  # local only: the blocks are in B's DRAM now
+            assert here.num_hits == len(keys) and set(here.tiers) == {DRAM}, source
+        for keys, data in ((on_peer, peer_data), (in_bucket, bucket_data)):
+            res = cb.load(L, keys)
+            assert res.num_blocks == len(keys) and torch.equal(res.blocks, data)
+        c = counters(cb)
+        assert c["prefetch_peer_pulls"] == 1 and c["remote_pulled_blocks"] == 24

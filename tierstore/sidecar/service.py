@@ -111,8 +111,10 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         self.cfg = config.server
         self.config = config
         self.prefetcher = Prefetcher(
-            store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max, store.workers
-        )
+            store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max, store.workers,
+            pull_peers=self.peers.pull if self.peers is not None else None,
+            peer_fetch_timeout_s=config.peer.fetch_timeout_s,
+        )  # fmt: skip
         self._stopping = stopping
         self._clients: dict[int, ClientSession] = {}
         self._lock = threading.Lock()
