@@ -66,7 +66,7 @@ COUNTERS = (
     "remote_write_through_turns", "remote_write_through_dropped", "remote_write_through_failed",
     "remote_manifests_written",
     "remote_reads", "remote_read_bytes", "remote_read_misses", "remote_read_failures",
-    "remote_verify_failures",
+    "remote_verify_failures", "remote_bad_objects_deleted",
     "remote_lookups", "remote_lookup_keys", "remote_lookup_hit_keys",
     "remote_lookup_round_trips", "remote_lookup_timeouts",
     "remote_pulls", "remote_pulled_blocks", "remote_pull_timeouts",
@@ -293,14 +293,19 @@ class RemoteTier:
         return self.client.call(run_all(), max(0.0, deadline - time.monotonic()))
 
     def contains(self, layout_fp: bytes, keys: Sequence[BlockKey], timeout_s: float) -> list[bool]:
-        """Whether each key is held (one HEAD per key not remembered; a failed one is False)."""
+        """Whether each key is held (one HEAD per key not remembered; a failed
+        one, or one still unanswered at the deadline, is False)."""
         now = time.monotonic()
         known = [self._answers.get(k, now) for k in keys]
         probes = [i for i, k in enumerate(known) if k is None]
-        got = self._wave(
-            [self.client.head(self.path(layout_fp, keys[i])) for i in probes],
-            time.monotonic() + timeout_s,
-        )
+        try:
+            got = self._wave(
+                [self.client.head(self.path(layout_fp, keys[i])) for i in probes],
+                time.monotonic() + timeout_s,
+            )
+        except TimeoutError:
+            self.counters.add("remote_lookup_timeouts")
+            got = []
         self._record(keys, probes, got, known)
         return [k is True for k in known]
 
@@ -328,10 +333,25 @@ class RemoteTier:
         if payload is None:
             self.counters.add_many({"remote_verify_failures": 1, "remote_read_misses": 1})
             self._answers.forget([key])
+            self._delete_bad(self.path(layout_fp, key))
             return None
         self.counters.add_many({"remote_reads": 1, "remote_read_bytes": nbytes})
         self._note_used([self.path(layout_fp, key)])
         return payload
+
+    def _delete_bad(self, path: str) -> None:
+        """Delete an object that failed verification, so that the next upload
+        of the block (which skips present objects) repairs it. In the
+        background; a good copy another host writes meanwhile may go too,
+        which costs a miss, never a wrong byte."""
+        try:
+            self.client.submit(self._delete_counted(path))
+        except ClientClosed:
+            pass
+
+    async def _delete_counted(self, path: str) -> None:
+        if await self.client.delete([path]):
+            self.counters.add("remote_bad_objects_deleted")
 
     # -- uploads ---------------------------------------------------------------------------
 

@@ -117,6 +117,18 @@ def test_bad_object_is_a_counted_miss(make_store: Any, seaweed: Any, damage: str
     assert store.pull_remote(L, keys, 10.0) == 3
     assert store.get(L, keys) == blocks[:3]
     assert store.stat()["store"]["remote_verify_failures"] == 1
+    # The bad object is deleted, so the block's next write-back repairs it.
+    deadline = time.monotonic() + 10
+    while store.stat()["store"]["remote_bad_objects_deleted"] < 1:
+        assert time.monotonic() < deadline, "the bad object was not deleted"
+        time.sleep(0.05)
+    store.drop(keys)
+    store.put(L, keys[3:4], blocks[3:4])
+    store.demote(keys[3:4])
+    assert store.flush_remote(30)
+    store.drop(keys)
+    assert store.pull_remote(L, keys, 10.0) == 6
+    assert store.get(L, keys) == blocks
 
 
 def test_write_through_chain_of_500_is_found_in_two_waves(make_store: Any) -> None:
