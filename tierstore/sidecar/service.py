@@ -31,7 +31,14 @@ from tierstore.errors import TierstoreError
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, unpack_keys
 from tierstore.sidecar.fastpath import FastLookupServer
 from tierstore.sidecar.loadboard import EngineLoad, LoadBoard
-from tierstore.sidecar.prefetch import BestEffort, Prefetcher, PrefetchPolicy, Timeout, WaitAll
+from tierstore.sidecar.prefetch import (
+    BestEffort,
+    Outcome,
+    Prefetcher,
+    PrefetchPolicy,
+    Timeout,
+    WaitAll,
+)
 from tierstore.store.tiered import STORE_OWNER, TieredStore
 from tierstore.tiers import TIER_CODES, TierName
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
@@ -115,6 +122,8 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             pull_peers=self.peers.pull if self.peers is not None else None,
             peer_fetch_timeout_s=config.peer.fetch_timeout_s,
         )  # fmt: skip
+        if peer_server is not None:  # routers' pre-positioning hints run as prefetches
+            peer_server.servicer.preposition = self._preposition
         self._stopping = stopping
         self._clients: dict[int, ClientSession] = {}
         self._lock = threading.Lock()
@@ -447,6 +456,10 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             ready_blocks=job.ready_blocks,
             available_blocks=job.available_blocks,
         )
+
+    def _preposition(self, layout: KVLayout, keys: list[BlockKey]) -> tuple[bool, int]:
+        outcome, job = self.prefetcher.run(layout, keys, BestEffort())
+        return outcome != Outcome.CANCELLED, job.available_blocks
 
     def _policy(self, code: int, timeout_s: float) -> PrefetchPolicy:
         if code == local_pb2.PREFETCH_BEST_EFFORT:
