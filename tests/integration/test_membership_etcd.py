@@ -46,9 +46,9 @@ def wait_for(what: str, cond: Callable[[], bool], timeout_s: float = WAIT_S) -> 
 
 @contextmanager
 def members(url: str, register: bool, **settings: object) -> Iterator[EtcdMembers]:
+    values: dict[str, object] = {"membership_ttl_s": 2, "membership_timeout_s": 0.5, **settings}
     cfg = PeerConfig(
-        peer_port=free_port(), peer_token="t", membership=url, membership_ttl_s=2,
-        membership_timeout_s=0.5, **settings,  # type: ignore[arg-type]
+        peer_port=free_port(), peer_token="t", membership=url, **values,  # type: ignore[arg-type]
     )  # fmt: skip
     describe = (
         describe_host(cfg.address(), cfg.group, ("dram",), 1 << 20, 0, 0, dict, "test")
@@ -104,7 +104,13 @@ def test_credentials_from_a_file(tmp_path: Path) -> None:
         cred.write_text(f"tierstore:{SECRET}\n")
         cred.chmod(0o600)
         url = f"etcd://{etcd.endpoint}/auth"
-        auth = {"membership_credentials_file": str(cred)}
+        # etcd checks a password with bcrypt (~0.1 s of CPU a call): give each
+        # call time for that on a busy 2-core machine.
+        auth = {
+            "membership_credentials_file": str(cred),
+            "membership_ttl_s": 8,
+            "membership_timeout_s": 3.0,
+        }
         with members(url, True, **auth) as a, members(url, False, **auth) as watcher:
             wait_for("the watcher sees the member", lambda: len(watcher.addresses()) == 1)
             assert a.counters.registered == 1 and a.counters.etcd_errors == 0

@@ -337,3 +337,35 @@ def test_the_router_service_survives_hostile_requests(fleet: Fleet) -> None:
         assert codes.get("INVALID_ARGUMENT", 0) > 50 and codes.get("OK", 0) > 10, codes
     finally:
         server.stop()
+
+
+def test_route_with_preposition_brings_the_prefix_to_the_chosen_host(fleet: Fleet) -> None:
+    tokens = prompt(9)
+    keys = chain_keys(L, tokens)
+    data = torch.randint(0, 256, (N, L.block_bytes), dtype=torch.uint8)
+    assert all(fleet.clients[0].store(L, keys, data))
+    port = free_port()
+    server = RouterServer(Config(peer=PEER_CFG, router=fleet.config(router_port=port)))
+    try:
+        meta = (("authorization", f"Bearer {TOKEN}"),)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterServiceStub(channel)
+            assert fleet.clients[1].lookup(L, keys).num_hits == 0
+            req = router_pb2.RouteRequest(
+                layout=layout_to_proto(L), token_ids=tokens.tolist(), hosts=[fleet.hosts[1]],
+                preposition=True,
+            )  # fmt: skip
+            reply = stub.Route(req, timeout=10, metadata=meta)
+            assert reply.prepositioned_host == fleet.hosts[1]
+            # Host 1 pulls the prefix from host 0 before any request reaches it.
+            wait_for(lambda: fleet.clients[1].lookup(L, keys).num_hits == N)
+            res = fleet.clients[1].load(L, keys)
+            assert res.num_blocks == N and torch.equal(res.blocks, data)
+            assert dict(fleet.clients[1].stat().counters)["peer_prepositions"] == 1
+            plain = stub.Route(
+                router_pb2.RouteRequest(layout=layout_to_proto(L), token_ids=tokens.tolist()),
+                timeout=10, metadata=meta,
+            )  # fmt: skip
+            assert plain.prepositioned_host == ""
+    finally:
+        server.stop()

@@ -44,6 +44,8 @@ class _GatedStore:
     """Stands in for TieredStore: every key is available; ``acquire`` blocks
     until ``gate`` is set, so a test decides when the worker finishes."""
 
+    has_remote = False  # no remote tier
+
     def __init__(self) -> None:
         self.gate = threading.Event()
         self.entered = threading.Event()

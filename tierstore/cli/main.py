@@ -34,6 +34,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         ("--nvme-dir", "nvme_dir", "directory of the NVMe tier"),
         ("--nvme-bytes", "nvme_bytes", "NVMe budget, e.g. 200GiB; 0 disables the tier"),
         ("--metrics-port", "metrics_port", "Prometheus port; 0 disables it"),
+        ("--remote-url", "remote_url", "remote tier bucket, s3://bucket/prefix (credentials: env)"),
+        ("--remote-endpoint", "remote_endpoint", "S3 endpoint of a non-AWS store, https://..."),
     ):
         parser.add_argument(flag, dest=name, default=None, help=help_text)
 

@@ -76,6 +76,13 @@ class PeerClient:
         req = peer_pb2.PeerKeysRequest(layout=layout_to_proto(layout), keys=pack_keys(keys))
         return self._stub.Lookup.future(req, timeout=timeout_s, metadata=self._metadata)
 
+    def preposition_future(
+        self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float
+    ) -> Any:
+        """Ask the sidecar to prefetch the prefix into DRAM (a grpc future)."""
+        req = peer_pb2.PeerKeysRequest(layout=layout_to_proto(layout), keys=pack_keys(keys))
+        return self._stub.Preposition.future(req, timeout=timeout_s, metadata=self._metadata)
+
     def watch_blocks(self, epoch: int, from_seq: int) -> Any:
         """The sidecar's stream of tier changes (a grpc call: iterate, ``cancel``)."""
         req = peer_pb2.WatchBlocksRequest(epoch=epoch, from_seq=from_seq)

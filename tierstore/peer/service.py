@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,9 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         self.loads = loads
         self.stopping = threading.Event()
         self._watch_lock = threading.Lock()
+        # Set by the local service: queue a best-effort prefetch of (layout, keys);
+        # returns (queued, blocks available here when asked).
+        self.preposition: Callable[[KVLayout, list[BlockKey]], tuple[bool, int]] | None = None
 
     def _parse(
         self, layout_msg: common_pb2.Layout, raw: bytes, context: Any
@@ -88,6 +91,15 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             nvme_read_bytes_per_s=self.store.nvme_read_bytes_per_s(),
             peer_fetch_bytes_per_s=self.tier.fetch_bytes_per_s(),
         )
+
+    def Preposition(
+        self, request: peer_pb2.PeerKeysRequest, context: Any
+    ) -> peer_pb2.PrepositionReply:
+        """A router's hint: bring this prefix into DRAM before the request comes."""
+        layout, keys = self._parse(request.layout, request.keys, context)
+        queued, available = self.preposition(layout, keys) if self.preposition else (False, 0)
+        self.tier.counters.add("prepositions" if queued else "prepositions_refused")
+        return peer_pb2.PrepositionReply(queued=queued, available_blocks=available)
 
     def OpenFetch(
         self, request: peer_pb2.OpenFetchRequest, context: Any

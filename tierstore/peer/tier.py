@@ -70,6 +70,8 @@ PEER_COUNTERS = (
     "watch_snapshots",  # snapshots sent (new watchers, and resyncs after a gap)
     "watch_refused",  # streams refused: max_watchers reached
     "bad_requests",  # peer calls refused as malformed (INVALID_ARGUMENT)
+    "prepositions",  # routers' Preposition hints queued here
+    "prepositions_refused",  # ... not queued (prefetch queue full, or no prefetcher)
 )
 
 

@@ -10,10 +10,14 @@ all sent at once under one deadline (a host that does not answer in time
 is listed as unreachable, never waited for). Measured speeds a host
 reports (prefill, NVMe read, peer fetch) replace the configured ones for
 that host. ``tierstore.router.cost.plan`` does the rest.
+``preposition`` tells the chosen host to bring the prefix into DRAM (from its
+NVMe, the peers, the remote tier) before the request reaches it; it does not
+wait for the answer.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -33,6 +37,8 @@ from tierstore.router.cost import HostView, Plan, Rates, plan
 from tierstore.router.feeder import IndexFeeder
 from tierstore.router.index import FleetIndex
 from tierstore.wire import load_from_proto
+
+log = logging.getLogger(__name__)
 
 
 def rates_from_config(cfg: RouterConfig) -> Rates:
@@ -164,6 +170,20 @@ class Router:
             )
             views[h] = HostView(h, reply.tiers[: reply.num_hits], load, rates)
         return [views[h] for h in hosts]
+
+    def preposition(self, host: str, layout: KVLayout, keys: Sequence[BlockKey]) -> None:
+        """Ask ``host`` to prefetch ``keys`` into DRAM; returns at once (a
+        failure is logged, and the request simply finds less in DRAM)."""
+        client = self.clients.get(host)
+        if client is None:  # left the group meanwhile
+            return
+        fut = client.preposition_future(layout, keys, self.cfg.router_lookup_timeout_s)
+
+        def done(f: grpc.Future) -> None:
+            if f.exception() is not None:
+                log.debug("preposition on %s failed: %s", host, f.exception())
+
+        fut.add_done_callback(done)
 
     def close(self) -> None:
         self.members.close()  # no more fleet changes from here on

@@ -51,7 +51,12 @@ class RouterServicer(router_pb2_grpc.RouterServiceServicer):
             )
         except (TierstoreError, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return plan_to_proto(plan)
+        reply = plan_to_proto(plan)
+        best = plan.ranked[0] if plan.ranked else None
+        if request.preposition and best is not None and best.reachable and keys:
+            self.router.preposition(best.host, layout, keys)
+            reply.prepositioned_host = best.host
+        return reply
 
 
 def parse_request(request: router_pb2.RouteRequest) -> tuple[KVLayout, list[BlockKey], int]:

@@ -35,6 +35,9 @@ TIER_COUNTERS = (
 GAUGE_COUNTERS = {
     "peer_watchers", "peer_tls", "replica_bytes", "worker_failures",
     "membership_members", "membership_etcd_up", "membership_registered",
+    # remote tier
+    "remote_uploads_queued", "remote_upload_bytes_queued", "remote_objects", "remote_used_bytes",
+    "remote_request_us_max", "remote_unreachable_at_start",
 } | STORE_GAUGES  # fmt: skip
 
 

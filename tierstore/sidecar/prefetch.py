@@ -5,7 +5,8 @@ Provides:
 - pure policy objects, one per mode (``BestEffort``, ``WaitAll``,
   ``Timeout``), that answer only "how long may the caller wait";
 - ``Prefetcher``: a bounded queue and worker threads that promote a prefix of
-  keys (NVMe -> DRAM) through ``TieredStore.acquire`` / ``release``, stop at
+  keys (NVMe -> DRAM; first, what this host lacks, from the group's peers and
+  then the remote tier: pre-positioning) through ``TieredStore.acquire`` / ``release``, stop at
   the first block that is not available, and are cancelled at a deadline.
 
 Runs in the sidecar. ``submit`` is called from RPC threads; workers are the
@@ -18,7 +19,7 @@ import enum
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -105,16 +106,30 @@ class PrefetchJob:
 # ``started``: best-effort prefetches answered at once. ``done``, ``late``,
 # ``cancelled``: the outcome of each prefetch, counted once per prefetch (a
 # best-effort one is counted again only if it is cancelled).
-PREFETCH_COUNTERS = ("started", "done", "late", "cancelled", "blocks_promoted", "io_errors")
+PREFETCH_COUNTERS = (
+    "started", "done", "late", "cancelled", "blocks_promoted", "io_errors", "peer_pulls",
+)  # fmt: skip
+# Fetches a prefix this host lacks from a peer within a timeout; returns the blocks received.
+PeerPull = Callable[[KVLayout, Sequence[BlockKey], float], int]
 
 
 class Prefetcher:
     """Bounded queue of prefetch jobs served by ``num_threads`` workers."""
 
     def __init__(
-        self, store: TieredStore, num_threads: int, queue_max: int, workers: Workers | None = None
+        self,
+        store: TieredStore,
+        num_threads: int,
+        queue_max: int,
+        workers: Workers | None = None,
+        pull_peers: PeerPull | None = None,
+        peer_fetch_timeout_s: float = 30.0,
     ) -> None:
+        """``pull_peers``: fetch a prefix from the group's peers (``PeerTier.pull``),
+        so a prefetch pre-positions blocks other hosts hold too."""
         self.store = store
+        self._pull_peers = pull_peers
+        self._peer_fetch_timeout_s = peer_fetch_timeout_s
         self.counters = Counters(PREFETCH_COUNTERS)
         self._lock = threading.Lock()  # a job's outcome is settled once
         self._queue: queue.Queue[PrefetchJob | None] = queue.Queue(maxsize=queue_max)
@@ -168,6 +183,7 @@ class Prefetcher:
                 job.done.set()
 
     def _promote(self, job: PrefetchJob) -> None:
+        self._pre_position(job)
         keys = job.keys[: job.available_blocks]
         for lo in range(0, len(keys), PROMOTE_CHUNK_BLOCKS):
             if job.late or job.cancelled:
@@ -182,6 +198,27 @@ class Prefetcher:
             self.counters.add("blocks_promoted", len(entries))
             if len(entries) < len(chunk):
                 return  # a gap: the rest of the prefix is not available
+
+    def _pre_position(self, job: PrefetchJob) -> None:
+        """Bring the part of the prefix this host lacks from the peers, then
+        from the remote tier, under the job's deadline (pre-positioning: a
+        router's or engine's prefetch before the request arrives)."""
+        if self._pull_peers is not None and job.available_blocks < len(job.keys):
+            left = self._left(job, self._peer_fetch_timeout_s)
+            if left > 0 and self._pull_peers(job.layout, job.keys[job.available_blocks :], left):
+                self.counters.add("peer_pulls")
+                job.available_blocks = self.store.lookup(job.layout, job.keys).num_hits
+        if self.store.has_remote and job.available_blocks < len(job.keys):
+            left = self._left(job, self.store.remote_fetch_timeout_s)
+            if left > 0:
+                pulled = self.store.pull_remote(job.layout, job.keys, left)
+                job.available_blocks = max(job.available_blocks, pulled)
+
+    @staticmethod
+    def _left(job: PrefetchJob, default_s: float) -> float:
+        if job.deadline is None:
+            return default_s
+        return min(default_s, job.deadline - time.monotonic())
 
     def close(self) -> None:
         """Cancel the queued jobs (each counted as cancelled, unless its caller

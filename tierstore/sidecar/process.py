@@ -84,7 +84,7 @@ class Sidecar:
         self.metrics_server: Any = None
         try:
             self.workers = Workers()
-            self.store = TieredStore(config.store, workers=self.workers)
+            self.store = TieredStore(config.store, workers=self.workers, remote=config.remote)
         except BaseException:
             self._lock.close()
             raise

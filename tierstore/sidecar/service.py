@@ -31,7 +31,14 @@ from tierstore.errors import TierstoreError
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, unpack_keys
 from tierstore.sidecar.fastpath import FastLookupServer
 from tierstore.sidecar.loadboard import EngineLoad, LoadBoard
-from tierstore.sidecar.prefetch import BestEffort, Prefetcher, PrefetchPolicy, Timeout, WaitAll
+from tierstore.sidecar.prefetch import (
+    BestEffort,
+    Outcome,
+    Prefetcher,
+    PrefetchPolicy,
+    Timeout,
+    WaitAll,
+)
 from tierstore.store.tiered import STORE_OWNER, TieredStore
 from tierstore.tiers import TIER_CODES, TierName
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
@@ -111,8 +118,12 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         self.cfg = config.server
         self.config = config
         self.prefetcher = Prefetcher(
-            store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max, store.workers
-        )
+            store, self.cfg.prefetch_threads, self.cfg.prefetch_queue_max, store.workers,
+            pull_peers=self.peers.pull if self.peers is not None else None,
+            peer_fetch_timeout_s=config.peer.fetch_timeout_s,
+        )  # fmt: skip
+        if peer_server is not None:  # routers' pre-positioning hints run as prefetches
+            peer_server.servicer.preposition = self._preposition
         self._stopping = stopping
         self._clients: dict[int, ClientSession] = {}
         self._lock = threading.Lock()
@@ -292,7 +303,31 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             timeout_s = self._peer_deadline(request, self.config.peer.peer_lookup_timeout_s)
             _, more = self.peers.lookup(layout, keys[res.num_hits :], timeout_s)
             tiers += bytes([TIER_CODES[TierName.PEER]]) * more
+        if request.include_peers and self.store.has_remote and len(tiers) < len(keys):
+            tiers = self._lookup_remote(request, layout, keys, tiers)
         return local_pb2.LookupReply(num_hits=len(tiers), tiers=tiers)
+
+    def _lookup_remote(
+        self, request: Any, layout: KVLayout, keys: list[BlockKey], tiers: bytes
+    ) -> bytes:
+        """Remote tier: after the local tiers and the peers, under the same
+        deadline rule; runs in the bucket and runs held here alternate (a
+        few times at most), so the prefix spans the tiers."""
+        timeout_s = self._peer_deadline(request, self.config.remote.remote_lookup_timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for _ in range(4):
+            left = deadline - time.monotonic()
+            if len(tiers) >= len(keys) or left <= 0:
+                break
+            more = self.store.lookup_remote(layout, keys[len(tiers) :], left)
+            if more == 0:
+                break
+            tiers += bytes([TIER_CODES[TierName.REMOTE]]) * more
+            here = self.store.lookup(layout, keys[len(tiers) :])
+            tiers += bytes(TIER_CODES[t] for t in here.tiers)
+            if here.num_hits == 0:
+                break
+        return tiers
 
     def _peer_deadline(self, request: Any, default_s: float) -> float:
         if request.deadline_s < 0:
@@ -310,6 +345,11 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             timeout_s = self._peer_deadline(request, self.config.peer.fetch_timeout_s)
             if self.peers.pull(layout, keys[len(entries) :], timeout_s):
                 entries += self.store.acquire(layout, keys[len(entries) :], owner)
+        if request.include_peers and self.store.has_remote and len(entries) < len(keys):
+            # Remote tier: pull the rest of the prefix from the bucket, then pin it.
+            timeout_s = self._peer_deadline(request, self.config.remote.remote_fetch_timeout_s)
+            if self.store.pull_remote(layout, keys[len(entries) :], timeout_s):
+                entries += self.store.acquire(layout, keys[len(entries) :], owner)
         self.store.adopt([e.key for e in entries])
         self._release_if_detached(owner)
         return local_pb2.AcquireReply(offsets=[e.offset for e in entries])
@@ -324,6 +364,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "session must be 1-256 characters")
         self.store.adopt(keys)
         self.store.turn_ended(keys, request.num_tokens)
+        self.store.end_turn_remote(layout, keys, request.num_tokens)  # remote tier: write-through
         if self.peers is None:
             if request.replica_target:
                 raise BadRequest(
@@ -416,6 +457,10 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             ready_blocks=job.ready_blocks,
             available_blocks=job.available_blocks,
         )
+
+    def _preposition(self, layout: KVLayout, keys: list[BlockKey]) -> tuple[bool, int]:
+        outcome, job = self.prefetcher.run(layout, keys, BestEffort())
+        return outcome != Outcome.CANCELLED, job.available_blocks
 
     def _policy(self, code: int, timeout_s: float) -> PrefetchPolicy:
         if code == local_pb2.PREFETCH_BEST_EFFORT:

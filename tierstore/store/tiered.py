@@ -5,6 +5,12 @@ Provides batched two-phase writes (``reserve`` / ``commit`` / ``abort``, or
 ``put``), prefix ``lookup`` across tiers, ``acquire`` / ``release`` (promote
 to DRAM on hit and pin), forced ``demote`` and ``drop``, ``stat``.
 
+The remote tier (``tierstore.store.remote``, when ``remote_url`` is set)
+hangs off ``self.remote`` and is touched in few places, each marked
+"remote tier": victims leaving DRAM are offered to it in ``_spill``;
+``lookup_remote`` / ``pull_remote`` / ``end_turn_remote`` are what the
+services call after the local tiers and peers; ``stat`` and ``close``.
+
 Threads: any number of caller threads; one background *demoter* thread that
 spills least-valuable DRAM blocks to NVMe once DRAM usage passes the high
 watermark, until it is under the low one. A caller that finds DRAM full
@@ -26,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierstore.config import StoreConfig
+from tierstore.config import RemoteConfig, StoreConfig
 from tierstore.counters import Counters
 from tierstore.errors import BlockSizeError, LayoutError
 from tierstore.keys import BlockKey, KVLayout, check_keys
@@ -39,6 +45,8 @@ from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier, ReserveStatus
 from tierstore.store.events import BlockEventLog
 from tierstore.store.nvme import NVME_GAUGES, NvmeTier, block_digest
 from tierstore.store.promoter import PROMOTER_COUNTERS, Promoter
+from tierstore.store.remote import RemoteTier
+from tierstore.store.remote_pull import pull_prefix
 from tierstore.store.replicas import ReplicaLedger
 from tierstore.store.writer import WRITER_GAUGES, DrainReport, NvmeWriter, drain
 from tierstore.tiers import TierName, TierStats
@@ -107,22 +115,34 @@ class TieredStore:
         arena: Arena | None = None,
         workers: Workers | None = None,
         nvme: NvmeTier | None = None,
+        remote: RemoteConfig | None = None,
     ) -> None:
         """``arena`` and ``nvme``: tiers built by the caller (tests pass fakes;
-        the store closes them); else built from ``config``."""
+        the store closes them); else built from ``config``. ``remote``: the
+        remote tier's settings (none, or an empty ``remote_url``: no remote tier)."""
         self.config = config
         # The sidecar passes its own, so a dead demoter turns its health NOT_SERVING.
         self.workers = workers if workers is not None else Workers()
-        self.arena = (
-            arena
-            if arena is not None
-            else Arena.create(
-                config.dram_bytes,
-                config.shm_dir,
-                upfront=config.dram_populate == "upfront",
-                huge_pages=config.dram_huge_pages,
+        # Remote tier first: a configuration it refuses fails before anything is allocated.
+        self.remote: RemoteTier | None = None
+        if remote is not None and remote.remote_url:
+            self.remote = RemoteTier(remote, self.workers)
+            self.remote.source = self._remote_source
+        try:
+            self.arena = (
+                arena
+                if arena is not None
+                else Arena.create(
+                    config.dram_bytes,
+                    config.shm_dir,
+                    upfront=config.dram_populate == "upfront",
+                    huge_pages=config.dram_huge_pages,
+                )
             )
-        )
+        except BaseException:
+            if self.remote is not None:
+                self.remote.close()
+            raise
         try:
             # A tier smaller than one segment is one segment (small test and demo stores).
             self.dram = DramTier(
@@ -144,6 +164,8 @@ class TieredStore:
         except BaseException:
             if arena is None:
                 self.arena.close()
+            if self.remote is not None:
+                self.remote.close()
             raise
         # Tier changes in order, for routers (PeerService.WatchBlocks).
         self.events = BlockEventLog(config.event_log_keys)
@@ -497,11 +519,81 @@ class TieredStore:
                         len(ok) - written,
                         len(ok),
                     )
+        if self.remote is not None:  # remote tier: write back what leaves DRAM
+            self._offer_remote(victims)
         dropped = 0
         for victim in victims:
             dropped += self.dram.drop(victim)
         self.counters.add("dropped_blocks", dropped)
         return dropped
+
+    # -- remote tier -------------------------------------------------------------------
+
+    def _offer_remote(self, victims: list[DramEntry]) -> None:
+        remote = self.remote
+        assert remote is not None
+        for v in victims:
+            if remote.placement.on_demote(v.key):
+                digest = v.digest
+                if digest is None and self.nvme is not None:
+                    meta = self.nvme.meta(v.key)
+                    digest = meta.digest if meta is not None else None
+                remote.offer(v.layout_fp, v.key, self.dram.view(v), digest)
+
+    def _remote_source(self, layout: KVLayout, key: BlockKey, out: memoryview) -> bytes | None:
+        """Copy a held block into ``out`` for a write-through upload; its digest or None."""
+        entry = self.dram.pin([key], STORE_OWNER)[0]
+        if entry is not None:
+            try:
+                if entry.layout_fp != layout.fingerprint or entry.nbytes != out.nbytes:
+                    return None
+                copy_into(out, self.dram.view(entry))
+                return self.digest(entry)
+            finally:
+                self.dram.unpin([key], STORE_OWNER)
+        if self.nvme is not None:
+            meta = self.nvme.meta(key)
+            if meta is not None and meta.layout_fp == layout.fingerprint:
+                if self.nvme.read_into(key, out) == out.nbytes:
+                    return meta.digest
+        return None
+
+    @property
+    def has_remote(self) -> bool:
+        return self.remote is not None
+
+    @property
+    def remote_fetch_timeout_s(self) -> float:
+        """Default deadline of a pull from the remote tier (0 without one)."""
+        return self.remote.cfg.remote_fetch_timeout_s if self.remote is not None else 0.0
+
+    def lookup_remote(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> int:
+        """How many leading ``keys`` the remote tier holds (0 without one)."""
+        if self.remote is None or not keys:
+            return 0
+        return self.remote.lookup_prefix(layout.fingerprint, check_keys(keys), timeout_s)[0]
+
+    def pull_remote(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> int:
+        """Bring the remote tier's blocks of the prefix into DRAM (unpinned);
+        returns how many leading keys are held here afterwards."""
+        if self.remote is None or not keys:
+            return 0
+        self.register_layout(layout)
+        keys = check_keys(keys)
+        return pull_prefix(
+            self.remote, self.dram, self.arena, layout, keys, self.held(keys), timeout_s,
+            make_room=self.make_room, on_pulled=self.maybe_wake_demoter,
+        )  # fmt: skip
+
+    def end_turn_remote(self, layout: KVLayout, keys: Sequence[BlockKey], num_tokens: int) -> bool:
+        """Write a long turn through to the remote tier (in the background)."""
+        if self.remote is None:
+            return False
+        return self.remote.end_turn(layout, check_keys(keys), num_tokens)
+
+    def flush_remote(self, timeout_s: float) -> bool:
+        """Wait for the remote tier's queued uploads; False at the deadline."""
+        return True if self.remote is None else self.remote.flush(timeout_s)
 
     def maybe_wake_demoter(self) -> None:
         if self.dram.used_bytes() > self._high_bytes:
@@ -589,6 +681,9 @@ class TieredStore:
         counters["arena_bytes"] = self.arena.size_bytes
         counters["arena_populated_bytes"] = self.arena.populated_bytes
         counters["arena_page_bytes"] = self.arena.page_bytes
+        if self.remote is not None:  # remote tier (outside tiers(): it is asked per layout)
+            tiers[str(TierName.REMOTE)] = self.remote.stats()
+            counters.update(self.remote.counters.snapshot())
         return {
             "tiers": {name: s.to_dict() for name, s in tiers.items()},
             "store": counters,
@@ -626,6 +721,8 @@ class TieredStore:
         self._demoter.join(timeout=30)
         if self.writer is not None:
             self.writer.close()
+        if self.remote is not None:  # remote tier: its writer still reads DRAM and NVMe
+            self.remote.close()
         self.promoter.close()
         with self._evict_lock:
             if self.nvme is not None:

@@ -12,11 +12,13 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_DRAM: _ClassVar[Tier]
     TIER_NVME: _ClassVar[Tier]
     TIER_PEER: _ClassVar[Tier]
+    TIER_REMOTE: _ClassVar[Tier]
 TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
 TIER_NVME: Tier
 TIER_PEER: Tier
+TIER_REMOTE: Tier
 
 class Layout(_message.Message):
     __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "dtype", "block_tokens", "tp_rank", "tp_size", "tenant_salt")

@@ -25,37 +25,39 @@ _sym_db = _symbol_database.Default()
 from tierstore.v1 import common_pb2 as tierstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tierstore/v1/peer.proto\x12\x0ctierstore.v1\x1a\x19tierstore/v1/common.proto\"E\n\x0fPeerKeysRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\"\x97\x01\n\x0fPeerLookupReply\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\x12\x1d\n\x15nvme_read_bytes_per_s\x18\x04 \x01(\x01\x12\x1e\n\x16peer_fetch_bytes_per_s\x18\x05 \x01(\x01\"v\n\x10OpenFetchRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12.\n\x0b\x63ompression\x18\x03 \x01(\x0e\x32\x19.tierstore.v1.Compression\"W\n\x0eOpenFetchReply\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0b\n\x03tls\x18\x04 \x01(\x08\"{\n\x10ReplicateRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x0f\n\x07session\x18\x04 \x01(\t\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\"\x87\x01\n\x0eReplicateReply\x12\x0f\n\x07offered\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x01(\r\x12\x10\n\x08imported\x18\x03 \x01(\r\x12\x10\n\x08rejected\x18\x04 \x01(\r\x12\x10\n\x08import_s\x18\x05 \x01(\x01\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0e\n\x06tail_s\x18\x07 \x01(\x01\"\x11\n\x0fPeerStatRequest\"\x8b\x01\n\rPeerStatReply\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12%\n\x05tiers\x18\x03 \x03(\x0b\x32\x16.tierstore.v1.TierStat\x12\x15\n\rreplica_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14replica_budget_bytes\x18\x05 \x01(\x04\"5\n\x12WatchBlocksRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x04\"\xa2\x01\n\x0b\x42lockEvents\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12!\n\x02op\x18\x03 \x01(\x0e\x32\x15.tierstore.v1.BlockOp\x12 \n\x04tier\x18\x04 \x01(\x0e\x32\x12.tierstore.v1.Tier\x12\x0c\n\x04keys\x18\x05 \x01(\x0c\x12$\n\x04load\x18\x06 \x01(\x0b\x32\x16.tierstore.v1.HostLoad*C\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x1e\n\x1a\x43OMPRESSION_ZSTD_BYTESPLIT\x10\x01*\xa2\x01\n\x07\x42lockOp\x12\x18\n\x14\x42LOCK_OP_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42LOCK_OP_ADD\x10\x01\x12\x13\n\x0f\x42LOCK_OP_REMOVE\x10\x02\x12\x12\n\x0e\x42LOCK_OP_RESET\x10\x03\x12\x15\n\x11\x42LOCK_OP_SNAPSHOT\x10\x04\x12\x13\n\x0f\x42LOCK_OP_SYNCED\x10\x05\x12\x16\n\x12\x42LOCK_OP_HEARTBEAT\x10\x06\x32\x81\x03\n\x0bPeerService\x12\x46\n\x06Lookup\x12\x1d.tierstore.v1.PeerKeysRequest\x1a\x1d.tierstore.v1.PeerLookupReply\x12I\n\tOpenFetch\x12\x1e.tierstore.v1.OpenFetchRequest\x1a\x1c.tierstore.v1.OpenFetchReply\x12I\n\tReplicate\x12\x1e.tierstore.v1.ReplicateRequest\x1a\x1c.tierstore.v1.ReplicateReply\x12\x46\n\x08PeerStat\x12\x1d.tierstore.v1.PeerStatRequest\x1a\x1b.tierstore.v1.PeerStatReply\x12L\n\x0bWatchBlocks\x12 .tierstore.v1.WatchBlocksRequest\x1a\x19.tierstore.v1.BlockEvents0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tierstore/v1/peer.proto\x12\x0ctierstore.v1\x1a\x19tierstore/v1/common.proto\"E\n\x0fPeerKeysRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\"<\n\x10PrepositionReply\x12\x0e\n\x06queued\x18\x01 \x01(\x08\x12\x18\n\x10\x61vailable_blocks\x18\x02 \x01(\r\"\x97\x01\n\x0fPeerLookupReply\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\x12\x1d\n\x15nvme_read_bytes_per_s\x18\x04 \x01(\x01\x12\x1e\n\x16peer_fetch_bytes_per_s\x18\x05 \x01(\x01\"v\n\x10OpenFetchRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12.\n\x0b\x63ompression\x18\x03 \x01(\x0e\x32\x19.tierstore.v1.Compression\"W\n\x0eOpenFetchReply\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x14\n\x0c\x64\x61ta_address\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0b\n\x03tls\x18\x04 \x01(\x08\"{\n\x10ReplicateRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x0f\n\x07session\x18\x04 \x01(\t\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\"\x87\x01\n\x0eReplicateReply\x12\x0f\n\x07offered\x18\x01 \x01(\r\x12\x0f\n\x07missing\x18\x02 \x01(\r\x12\x10\n\x08imported\x18\x03 \x01(\r\x12\x10\n\x08rejected\x18\x04 \x01(\r\x12\x10\n\x08import_s\x18\x05 \x01(\x01\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0e\n\x06tail_s\x18\x07 \x01(\x01\"\x11\n\x0fPeerStatRequest\"\x8b\x01\n\rPeerStatReply\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12%\n\x05tiers\x18\x03 \x03(\x0b\x32\x16.tierstore.v1.TierStat\x12\x15\n\rreplica_bytes\x18\x04 \x01(\x04\x12\x1c\n\x14replica_budget_bytes\x18\x05 \x01(\x04\"5\n\x12WatchBlocksRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08\x66rom_seq\x18\x02 \x01(\x04\"\xa2\x01\n\x0b\x42lockEvents\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12!\n\x02op\x18\x03 \x01(\x0e\x32\x15.tierstore.v1.BlockOp\x12 \n\x04tier\x18\x04 \x01(\x0e\x32\x12.tierstore.v1.Tier\x12\x0c\n\x04keys\x18\x05 \x01(\x0c\x12$\n\x04load\x18\x06 \x01(\x0b\x32\x16.tierstore.v1.HostLoad*C\n\x0b\x43ompression\x12\x14\n\x10\x43OMPRESSION_NONE\x10\x00\x12\x1e\n\x1a\x43OMPRESSION_ZSTD_BYTESPLIT\x10\x01*\xa2\x01\n\x07\x42lockOp\x12\x18\n\x14\x42LOCK_OP_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x42LOCK_OP_ADD\x10\x01\x12\x13\n\x0f\x42LOCK_OP_REMOVE\x10\x02\x12\x12\n\x0e\x42LOCK_OP_RESET\x10\x03\x12\x15\n\x11\x42LOCK_OP_SNAPSHOT\x10\x04\x12\x13\n\x0f\x42LOCK_OP_SYNCED\x10\x05\x12\x16\n\x12\x42LOCK_OP_HEARTBEAT\x10\x06\x32\xcf\x03\n\x0bPeerService\x12\x46\n\x06Lookup\x12\x1d.tierstore.v1.PeerKeysRequest\x1a\x1d.tierstore.v1.PeerLookupReply\x12I\n\tOpenFetch\x12\x1e.tierstore.v1.OpenFetchRequest\x1a\x1c.tierstore.v1.OpenFetchReply\x12I\n\tReplicate\x12\x1e.tierstore.v1.ReplicateRequest\x1a\x1c.tierstore.v1.ReplicateReply\x12\x46\n\x08PeerStat\x12\x1d.tierstore.v1.PeerStatRequest\x1a\x1b.tierstore.v1.PeerStatReply\x12L\n\x0bWatchBlocks\x12 .tierstore.v1.WatchBlocksRequest\x1a\x19.tierstore.v1.BlockEvents0\x01\x12L\n\x0bPreposition\x12\x1d.tierstore.v1.PeerKeysRequest\x1a\x1e.tierstore.v1.PrepositionReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tierstore.v1.peer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMPRESSION']._serialized_start=1146
-  _globals['_COMPRESSION']._serialized_end=1213
-  _globals['_BLOCKOP']._serialized_start=1216
-  _globals['_BLOCKOP']._serialized_end=1378
+  _globals['_COMPRESSION']._serialized_start=1208
+  _globals['_COMPRESSION']._serialized_end=1275
+  _globals['_BLOCKOP']._serialized_start=1278
+  _globals['_BLOCKOP']._serialized_end=1440
   _globals['_PEERKEYSREQUEST']._serialized_start=68
   _globals['_PEERKEYSREQUEST']._serialized_end=137
-  _globals['_PEERLOOKUPREPLY']._serialized_start=140
-  _globals['_PEERLOOKUPREPLY']._serialized_end=291
-  _globals['_OPENFETCHREQUEST']._serialized_start=293
-  _globals['_OPENFETCHREQUEST']._serialized_end=411
-  _globals['_OPENFETCHREPLY']._serialized_start=413
-  _globals['_OPENFETCHREPLY']._serialized_end=500
-  _globals['_REPLICATEREQUEST']._serialized_start=502
-  _globals['_REPLICATEREQUEST']._serialized_end=625
-  _globals['_REPLICATEREPLY']._serialized_start=628
-  _globals['_REPLICATEREPLY']._serialized_end=763
-  _globals['_PEERSTATREQUEST']._serialized_start=765
-  _globals['_PEERSTATREQUEST']._serialized_end=782
-  _globals['_PEERSTATREPLY']._serialized_start=785
-  _globals['_PEERSTATREPLY']._serialized_end=924
-  _globals['_WATCHBLOCKSREQUEST']._serialized_start=926
-  _globals['_WATCHBLOCKSREQUEST']._serialized_end=979
-  _globals['_BLOCKEVENTS']._serialized_start=982
-  _globals['_BLOCKEVENTS']._serialized_end=1144
-  _globals['_PEERSERVICE']._serialized_start=1381
-  _globals['_PEERSERVICE']._serialized_end=1766
+  _globals['_PREPOSITIONREPLY']._serialized_start=139
+  _globals['_PREPOSITIONREPLY']._serialized_end=199
+  _globals['_PEERLOOKUPREPLY']._serialized_start=202
+  _globals['_PEERLOOKUPREPLY']._serialized_end=353
+  _globals['_OPENFETCHREQUEST']._serialized_start=355
+  _globals['_OPENFETCHREQUEST']._serialized_end=473
+  _globals['_OPENFETCHREPLY']._serialized_start=475
+  _globals['_OPENFETCHREPLY']._serialized_end=562
+  _globals['_REPLICATEREQUEST']._serialized_start=564
+  _globals['_REPLICATEREQUEST']._serialized_end=687
+  _globals['_REPLICATEREPLY']._serialized_start=690
+  _globals['_REPLICATEREPLY']._serialized_end=825
+  _globals['_PEERSTATREQUEST']._serialized_start=827
+  _globals['_PEERSTATREQUEST']._serialized_end=844
+  _globals['_PEERSTATREPLY']._serialized_start=847
+  _globals['_PEERSTATREPLY']._serialized_end=986
+  _globals['_WATCHBLOCKSREQUEST']._serialized_start=988
+  _globals['_WATCHBLOCKSREQUEST']._serialized_end=1041
+  _globals['_BLOCKEVENTS']._serialized_start=1044
+  _globals['_BLOCKEVENTS']._serialized_end=1206
+  _globals['_PEERSERVICE']._serialized_start=1443
+  _globals['_PEERSERVICE']._serialized_end=1906
 # @@protoc_insertion_point(module_scope)

@@ -40,6 +40,14 @@ class PeerKeysRequest(_message.Message):
     keys: bytes
     def __init__(self, layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
+class PrepositionReply(_message.Message):
+    __slots__ = ("queued", "available_blocks")
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    queued: bool
+    available_blocks: int
+    def __init__(self, queued: _Optional[bool] = ..., available_blocks: _Optional[int] = ...) -> None: ...
+
 class PeerLookupReply(_message.Message):
     __slots__ = ("num_hits", "tiers", "load", "nvme_read_bytes_per_s", "peer_fetch_bytes_per_s")
     NUM_HITS_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class PeerServiceStub:
                 request_serializer=tierstore_dot_v1_dot_peer__pb2.WatchBlocksRequest.SerializeToString,
                 response_deserializer=tierstore_dot_v1_dot_peer__pb2.BlockEvents.FromString,
                 _registered_method=True)
+        self.Preposition = channel.unary_unary(
+                '/tierstore.v1.PeerService/Preposition',
+                request_serializer=tierstore_dot_v1_dot_peer__pb2.PeerKeysRequest.SerializeToString,
+                response_deserializer=tierstore_dot_v1_dot_peer__pb2.PrepositionReply.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -104,6 +109,15 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Preposition(self, request, context):
+        """Pre-positioning (a router's hint): queue a best-effort prefetch of the
+        prefix into DRAM (from NVMe, the group's peers, the remote tier); returns
+        at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +145,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.WatchBlocks,
                     request_deserializer=tierstore_dot_v1_dot_peer__pb2.WatchBlocksRequest.FromString,
                     response_serializer=tierstore_dot_v1_dot_peer__pb2.BlockEvents.SerializeToString,
+            ),
+            'Preposition': grpc.unary_unary_rpc_method_handler(
+                    servicer.Preposition,
+                    request_deserializer=tierstore_dot_v1_dot_peer__pb2.PeerKeysRequest.FromString,
+                    response_serializer=tierstore_dot_v1_dot_peer__pb2.PrepositionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +287,33 @@ class PeerService:
             '/tierstore.v1.PeerService/WatchBlocks',
             tierstore_dot_v1_dot_peer__pb2.WatchBlocksRequest.SerializeToString,
             tierstore_dot_v1_dot_peer__pb2.BlockEvents.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Preposition(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierstore.v1.PeerService/Preposition',
+            tierstore_dot_v1_dot_peer__pb2.PeerKeysRequest.SerializeToString,
+            tierstore_dot_v1_dot_peer__pb2.PrepositionReply.FromString,
             options,
             channel_credentials,
             insecure,

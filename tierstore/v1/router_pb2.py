@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tierstore.v1 import common_pb2 as tierstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tierstore/v1/router.proto\x12\x0ctierstore.v1\x1a\x19tierstore/v1/common.proto\"\x9b\x02\n\x0cRouteRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\r\n\x05hosts\x18\x05 \x03(\t\x12\x0f\n\x07session\x18\x06 \x01(\t\x12\x14\n\x0c\x63urrent_host\x18\x07 \x01(\t\x12\x34\n\x05loads\x18\x08 \x03(\x0b\x32%.tierstore.v1.RouteRequest.LoadsEntry\x1a\x44\n\nLoadsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.tierstore.v1.HostLoad:\x02\x38\x01\"\xcb\x02\n\x08HostCost\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x0e\n\x06load_s\x18\x06 \x01(\x01\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\x12\x12\n\nhbm_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x64ram_blocks\x18\t \x01(\r\x12\x13\n\x0bnvme_blocks\x18\n \x01(\r\x12\x13\n\x0bpeer_blocks\x18\x0b \x01(\r\x12\x13\n\x0bheld_blocks\x18\x0c \x01(\r\x12\x15\n\rreused_tokens\x18\r \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x0e \x01(\x04\x12\x0e\n\x06source\x18\x0f \x01(\t\x12$\n\x04load\x18\x10 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\"o\n\nRouteReply\x12%\n\x05hosts\x18\x01 \x03(\x0b\x32\x16.tierstore.v1.HostCost\x12\x12\n\nspill_host\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x32N\n\rRouterService\x12=\n\x05Route\x12\x1a.tierstore.v1.RouteRequest\x1a\x18.tierstore.v1.RouteReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tierstore/v1/router.proto\x12\x0ctierstore.v1\x1a\x19tierstore/v1/common.proto\"\xb0\x02\n\x0cRouteRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\r\n\x05hosts\x18\x05 \x03(\t\x12\x0f\n\x07session\x18\x06 \x01(\t\x12\x14\n\x0c\x63urrent_host\x18\x07 \x01(\t\x12\x34\n\x05loads\x18\x08 \x03(\x0b\x32%.tierstore.v1.RouteRequest.LoadsEntry\x12\x13\n\x0bpreposition\x18\t \x01(\x08\x1a\x44\n\nLoadsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.tierstore.v1.HostLoad:\x02\x38\x01\"\xcb\x02\n\x08HostCost\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x11\n\treachable\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x0e\n\x06load_s\x18\x06 \x01(\x01\x12\x11\n\tprefill_s\x18\x07 \x01(\x01\x12\x12\n\nhbm_blocks\x18\x08 \x01(\r\x12\x13\n\x0b\x64ram_blocks\x18\t \x01(\r\x12\x13\n\x0bnvme_blocks\x18\n \x01(\r\x12\x13\n\x0bpeer_blocks\x18\x0b \x01(\r\x12\x13\n\x0bheld_blocks\x18\x0c \x01(\r\x12\x15\n\rreused_tokens\x18\r \x01(\x04\x12\x16\n\x0eprefill_tokens\x18\x0e \x01(\x04\x12\x0e\n\x06source\x18\x0f \x01(\t\x12$\n\x04load\x18\x10 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\"\x8b\x01\n\nRouteReply\x12%\n\x05hosts\x18\x01 \x03(\x0b\x32\x16.tierstore.v1.HostCost\x12\x12\n\nspill_host\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12prepositioned_host\x18\x05 \x01(\t2N\n\rRouterService\x12=\n\x05Route\x12\x1a.tierstore.v1.RouteRequest\x1a\x18.tierstore.v1.RouteReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROUTEREQUEST_LOADSENTRY']._loaded_options = None
   _globals['_ROUTEREQUEST_LOADSENTRY']._serialized_options = b'8\001'
   _globals['_ROUTEREQUEST']._serialized_start=71
-  _globals['_ROUTEREQUEST']._serialized_end=354
-  _globals['_ROUTEREQUEST_LOADSENTRY']._serialized_start=286
-  _globals['_ROUTEREQUEST_LOADSENTRY']._serialized_end=354
-  _globals['_HOSTCOST']._serialized_start=357
-  _globals['_HOSTCOST']._serialized_end=688
-  _globals['_ROUTEREPLY']._serialized_start=690
-  _globals['_ROUTEREPLY']._serialized_end=801
-  _globals['_ROUTERSERVICE']._serialized_start=803
-  _globals['_ROUTERSERVICE']._serialized_end=881
+  _globals['_ROUTEREQUEST']._serialized_end=375
+  _globals['_ROUTEREQUEST_LOADSENTRY']._serialized_start=307
+  _globals['_ROUTEREQUEST_LOADSENTRY']._serialized_end=375
+  _globals['_HOSTCOST']._serialized_start=378
+  _globals['_HOSTCOST']._serialized_end=709
+  _globals['_ROUTEREPLY']._serialized_start=712
+  _globals['_ROUTEREPLY']._serialized_end=851
+  _globals['_ROUTERSERVICE']._serialized_start=853
+  _globals['_ROUTERSERVICE']._serialized_end=931
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("layout", "token_ids", "keys", "num_tokens", "hosts", "session", "current_host", "loads")
+    __slots__ = ("layout", "token_ids", "keys", "num_tokens", "hosts", "session", "current_host", "loads", "preposition")
     class LoadsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class RouteRequest(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CURRENT_HOST_FIELD_NUMBER: _ClassVar[int]
     LOADS_FIELD_NUMBER: _ClassVar[int]
+    PREPOSITION_FIELD_NUMBER: _ClassVar[int]
     layout: _common_pb2.Layout
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     keys: bytes
@@ -32,7 +33,8 @@ class RouteRequest(_message.Message):
     session: str
     current_host: str
     loads: _containers.MessageMap[str, _common_pb2.HostLoad]
-    def __init__(self, layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., hosts: _Optional[_Iterable[str]] = ..., session: _Optional[str] = ..., current_host: _Optional[str] = ..., loads: _Optional[_Mapping[str, _common_pb2.HostLoad]] = ...) -> None: ...
+    preposition: bool
+    def __init__(self, layout: _Optional[_Union[_common_pb2.Layout, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., keys: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., hosts: _Optional[_Iterable[str]] = ..., session: _Optional[str] = ..., current_host: _Optional[str] = ..., loads: _Optional[_Mapping[str, _common_pb2.HostLoad]] = ..., preposition: _Optional[bool] = ...) -> None: ...
 
 class HostCost(_message.Message):
     __slots__ = ("host", "reachable", "error", "ttft_s", "queue_s", "load_s", "prefill_s", "hbm_blocks", "dram_blocks", "nvme_blocks", "peer_blocks", "held_blocks", "reused_tokens", "prefill_tokens", "source", "load")
@@ -71,13 +73,15 @@ class HostCost(_message.Message):
     def __init__(self, host: _Optional[str] = ..., reachable: _Optional[bool] = ..., error: _Optional[str] = ..., ttft_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., load_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., hbm_blocks: _Optional[int] = ..., dram_blocks: _Optional[int] = ..., nvme_blocks: _Optional[int] = ..., peer_blocks: _Optional[int] = ..., held_blocks: _Optional[int] = ..., reused_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., source: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.HostLoad, _Mapping]] = ...) -> None: ...
 
 class RouteReply(_message.Message):
-    __slots__ = ("hosts", "spill_host", "num_blocks", "num_tokens")
+    __slots__ = ("hosts", "spill_host", "num_blocks", "num_tokens", "prepositioned_host")
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     SPILL_HOST_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREPOSITIONED_HOST_FIELD_NUMBER: _ClassVar[int]
     hosts: _containers.RepeatedCompositeFieldContainer[HostCost]
     spill_host: str
     num_blocks: int
     num_tokens: int
-    def __init__(self, hosts: _Optional[_Iterable[_Union[HostCost, _Mapping]]] = ..., spill_host: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    prepositioned_host: str
+    def __init__(self, hosts: _Optional[_Iterable[_Union[HostCost, _Mapping]]] = ..., spill_host: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., prepositioned_host: _Optional[str] = ...) -> None: ...
