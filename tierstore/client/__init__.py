@@ -16,6 +16,8 @@ from tierstore.client.results import (
     LoadResult,
     Pinned,
     PrefetchResult,
+    Reserved,
+    ReserveStatus,
     SidecarUnavailable,
 )
 from tierstore.client.store_client import StoreClient
@@ -25,6 +27,8 @@ __all__ = [
     "LoadResult",
     "Pinned",
     "PrefetchResult",
+    "ReserveStatus",
+    "Reserved",
     "SidecarUnavailable",
     "StoreClient",
 ]

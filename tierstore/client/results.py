@@ -1,16 +1,17 @@
 """What ``StoreClient``'s calls return and raise.
 
 Provides ``SidecarUnavailable`` (the sidecar cannot be reached), the result
-types ``ClientLookup``, ``LoadResult``, ``PrefetchResult``, the ``Pinned``
-handle of blocks pinned in the arena, and ``rpc_error``, which maps a gRPC
-error of the local service to tierstore's errors. ``tierstore.client``
-re-exports them.
+types ``ClientLookup``, ``LoadResult``, ``PrefetchResult``, ``Reserved``
+(with ``ReserveStatus``), the ``Pinned`` handle of blocks pinned in the
+arena, and ``rpc_error``, which maps a gRPC error of the local service to
+tierstore's errors. ``tierstore.client`` re-exports them.
 
 Runs in the engine process.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -49,6 +50,24 @@ class PrefetchResult:
     outcome: str  # started | done | late | cancelled
     ready_blocks: int
     available_blocks: int
+
+
+class ReserveStatus(enum.IntEnum):
+    """Per key outcome of ``StoreClient.reserve`` (local.proto's ReserveStatus)."""
+
+    OK = 0  # write layout.block_bytes at the offset, then commit
+    EXISTS = 1  # already held: skip the copy
+    FULL = 2  # no room even after eviction
+
+
+@dataclass(frozen=True, slots=True)
+class Reserved:
+    """Arena slots reserved by ``StoreClient.reserve``: ``offsets[i]`` is the
+    slot of ``keys[i]`` when ``statuses[i]`` is OK, else -1."""
+
+    keys: list[BlockKey]
+    statuses: tuple[ReserveStatus, ...]
+    offsets: tuple[int, ...]
 
 
 class Pinned:

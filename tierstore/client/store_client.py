@@ -11,7 +11,8 @@ every ``tier_report_s`` (``report_tiers``), so that ``tierstore stat`` shows
 the host's HBM tier too.
 
 Operations: ``register``, ``store``, ``load``, ``lookup``, ``acquire`` /
-``release`` (zero-copy views into the arena), ``prefetch``, ``flush``,
+``release`` (zero-copy views into the arena), ``reserve`` / ``commit`` /
+``abort`` (fill arena slots in place), ``prefetch``, ``flush``,
 ``stat``, ``report_load``, ``report_tiers``, ``close``.
 
 Runs in the engine process. A client may be used from several threads; the
@@ -40,6 +41,8 @@ from tierstore.client.results import (
     LoadResult,
     Pinned,
     PrefetchResult,
+    Reserved,
+    ReserveStatus,
     SidecarUnavailable,
     rpc_error,
 )
@@ -63,6 +66,8 @@ __all__ = [
     "LoadResult",
     "Pinned",
     "PrefetchResult",
+    "ReserveStatus",
+    "Reserved",
     "SidecarUnavailable",
     "StoreClient",
 ]
@@ -301,6 +306,30 @@ class StoreClient:
                 self._copier.sync()
                 self._call(self._stub.Commit, self._req(layout, ok), "commit")
         return held
+
+    def reserve(self, layout: KVLayout, keys: Sequence[BlockKey]) -> Reserved:
+        """Reserve arena slots for ``keys`` (at most ``max_batch_keys``) so a
+        caller that writes blocks piecewise (an engine copying layer by layer
+        out of its own pages) can fill them in place, then ``commit`` them (or
+        ``abort``). Keys already held come back EXISTS: skip them."""
+        keys = check_keys(keys)[: self.max_batch_keys]
+        reply = self._call(self._stub.Reserve, self._req(layout, keys), "reserve")
+        return Reserved(keys, tuple(ReserveStatus(s) for s in reply.statuses), tuple(reply.offsets))
+
+    def commit(self, layout: KVLayout, keys: Sequence[BlockKey]) -> list[bool]:
+        """Make reserved (and written) blocks readable. Returns which were committed."""
+        keys = check_keys(keys)
+        if not keys:
+            return []
+        reply = self._call(self._stub.Commit, self._req(layout, keys), "commit")
+        return [bool(f) for f in reply.flags]
+
+    def abort(self, layout: KVLayout, keys: Sequence[BlockKey]) -> int:
+        """Give back reservations that will not be written. Returns how many."""
+        keys = check_keys(keys)
+        if not keys:
+            return 0
+        return int(self._call(self._stub.Abort, self._req(layout, keys), "abort").count)
 
     def flush(self) -> int:
         """Write every HBM-only block down to the sidecar. Returns how many."""
