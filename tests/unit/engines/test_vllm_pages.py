@@ -1,0 +1,85 @@
+"""vLLM's KV tensors as pages, and the CPU copies between pages and an arena."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierstore.engines.vllm_worker import CpuPageMover, PagedKV, PageLayoutError
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+def cpu_caches(num_blocks: int = 6, heads: int = 2, bt: int = 4, hd: int = 8) -> dict:
+    """The CPU backend's per-layer [blocks, heads, block_size, 2*head_size]."""
+    return {n: torch.randn(num_blocks, heads, bt, 2 * hd).to(torch.bfloat16) for n in LAYERS}
+
+
+def test_cpu_pages_are_one_contiguous_range_per_block() -> None:
+    caches = cpu_caches()
+    layer_bytes = 2 * 4 * 16 * 2
+    paged = PagedKV(caches, LAYERS, layer_bytes)
+    assert (paged.outer, paged.inner) == (1, layer_bytes)
+    page = paged.pages[1]
+    assert page.data_ptr() == caches[LAYERS[1]].data_ptr()  # a view, not a copy
+    want = caches[LAYERS[1]][3].contiguous().view(torch.uint8).reshape(-1)
+    assert torch.equal(page[0, 3], want)
+
+
+def test_planes_apart_give_two_ranges_per_block() -> None:
+    # flash-attention's [2, blocks, block_size, heads, head_size]
+    caches = {n: torch.randn(2, 5, 4, 2, 8).half() for n in LAYERS}
+    paged = PagedKV(caches, LAYERS, 2 * 4 * 2 * 8 * 2)
+    assert (paged.outer, paged.inner) == (2, 4 * 2 * 8 * 2)
+    k3 = caches[LAYERS[0]][0, 3].contiguous().view(torch.uint8).reshape(-1)
+    v3 = caches[LAYERS[0]][1, 3].contiguous().view(torch.uint8).reshape(-1)
+    assert torch.equal(paged.pages[0][0, 3], k3)
+    assert torch.equal(paged.pages[0][1, 3], v3)
+
+
+def test_what_is_not_pages_is_refused() -> None:
+    caches = cpu_caches()
+    with pytest.raises(PageLayoutError, match="no KV cache"):
+        PagedKV(caches, [*LAYERS, "missing"], 256)
+    with pytest.raises(PageLayoutError, match="whole number"):
+        PagedKV(caches, LAYERS, 300)
+    strided = {n: t.transpose(1, 2) for n, t in caches.items()}
+    with pytest.raises(PageLayoutError, match="not contiguous"):
+        PagedKV(strided, LAYERS, 256)
+
+
+@pytest.mark.parametrize("planes", [False, True])
+def test_mover_round_trip_through_an_arena(planes: bool) -> None:
+    if planes:
+        src = {n: torch.randn(2, 6, 4, 2, 8).half() for n in LAYERS}
+        dst = {n: torch.zeros(2, 6, 4, 2, 8).half() for n in LAYERS}
+    else:
+        src, dst = cpu_caches(), {n: torch.zeros(6, 2, 4, 16).bfloat16() for n in LAYERS}
+    layer_bytes = 256
+    a, b = PagedKV(src, LAYERS, layer_bytes), PagedKV(dst, LAYERS, layer_bytes)
+    arena = torch.zeros(8 * 2 * layer_bytes, dtype=torch.uint8)
+    blocks = [(0, 4), (3, 1)]  # (arena slot, vLLM block)
+    out, back = CpuPageMover(a, arena), CpuPageMover(b, arena)
+    for layer in range(2):
+        out.from_pages(
+            layer, [(s * 2 * layer_bytes + layer * layer_bytes, bid) for s, bid in blocks]
+        )
+    # A block in the arena is layer 0's page, then layer 1's.
+    for s, bid in blocks:
+        for layer in range(2):
+            lo = s * 2 * layer_bytes + layer * layer_bytes
+            assert torch.equal(arena[lo : lo + layer_bytes], a.pages[layer][:, bid].reshape(-1))
+    for layer in range(2):
+        back.to_pages(
+            layer, [(s * 2 * layer_bytes + layer * layer_bytes, bid + 1) for s, bid in blocks]
+        )
+    for _, bid in blocks:
+        for n in LAYERS:
+            if planes:
+                assert torch.equal(dst[n][:, bid + 1], src[n][:, bid])
+            else:
+                assert torch.equal(dst[n][bid + 1], src[n][bid])
+    untouched = [i for i in range(6) if i not in (5, 2)]
+    for n in LAYERS:
+        idx = torch.tensor(untouched)
+        assert not (dst[n][:, idx] if planes else dst[n][idx]).any()

@@ -1,0 +1,234 @@
+"""tierstore as vLLM's KV store: ``TierstoreConnector``, a ``KVConnectorBase_V1``.
+
+Load it the way LMCache's and Mooncake's connectors plug in::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TierstoreConnector",
+        "kv_connector_module_path": "tierstore.engines.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket_path": "/run/tierstore/tierstore.sock"}}'
+
+(settings: ``vllm_layout.ConnectorSettings``). vLLM builds one connector
+in its scheduler process and one in each worker:
+
+- **scheduler** (``vllm_plan.Planner``): ``get_num_new_matched_tokens``
+  asks the sidecar (fast-path lookup; peers too with ``include_peers``) how
+  much of the request's prefix it holds beyond vLLM's own prefix cache;
+  ``update_state_after_alloc`` and ``build_connector_meta`` plan this
+  step's loads and saves; ``request_finished`` ends the turn
+  (``StoreClient.end_turn``: the sidecar pushes a long turn's blocks to the
+  session's spill host). The session is ``kv_transfer_params["session"]``,
+  else vLLM's ``session_id``, else the request id.
+- **worker** (``vllm_worker.ConnectorWorker``): ``start_load_kv`` pins the
+  planned blocks in the sidecar's arena and copies them into vLLM's pages,
+  one copy per block and layer (on CUDA on a side stream, waited for per
+  layer in ``wait_for_layer_load``); ``bind_connector_metadata`` reserves
+  slots for the step's new full blocks, ``save_kv_layer`` copies each layer
+  out as soon as its attention has written it, ``wait_for_save`` commits
+  (one control call; the bytes are in place by then, so vLLM may reuse the
+  pages at once and no block free is delayed). Blocks that could not be
+  loaded (evicted, failed verification, sidecar gone) are reported by
+  ``get_block_ids_with_load_errors`` and vLLM recomputes them: a lost block
+  costs a prefill, never a wrong token.
+
+Keys are tierstore's chained blake3 keys over the token ids (prompt, then
+generated tokens), with a KVLayout per tensor-parallel rank from vLLM's
+config (``vllm_layout``), independent of vLLM's own block hashing. Engines
+and requests whose KV cannot be restored by prefix are not served from the
+store, with one log line per reason and a counter (``refusals``).
+
+The engine side only: imports tierstore.client, keys, errors, memory and
+tiers, never the sidecar's store. Runs in vLLM's processes, on the threads
+vLLM calls the connector from.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tierstore.engines.vllm_layout import (
+    ConnectorSettings,
+    engine_layouts,
+    engine_refusal,
+    request_refusal,
+    request_salt,
+)
+from tierstore.engines.vllm_link import StoreLink
+from tierstore.engines.vllm_plan import EndTurn, LoadSpec, Planner, SaveSpec
+from tierstore.engines.vllm_worker import ConnectorWorker, PageLayoutError
+from tierstore.errors import TierstoreError
+from tierstore.keys import BlockKey, KVLayout
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("tierstore.engines.vllm")
+
+__all__ = ["TierstoreConnector", "TierstoreConnectorMetadata"]
+
+
+@dataclass
+class TierstoreConnectorMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler to the workers."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+def session_of(request: Any) -> str:
+    params = request.kv_transfer_params or {}
+    return str(params.get("session") or getattr(request, "session_id", None) or request.request_id)
+
+
+class TierstoreConnector(KVConnectorBase_V1):
+    """See the module docstring."""
+
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = ConnectorSettings.from_extra(
+            self._kv_transfer_config.kv_connector_extra_config
+        )
+        self.refusals: Counter[str] = Counter()
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
+            log.warning(
+                "tierstore connector: kv_load_failure_policy is %r: a block the store "
+                'loses fails its request; set "kv_load_failure_policy": "recompute" '
+                "to prefill it instead",
+                policy,
+            )
+        self.disabled = engine_refusal(vllm_config, kv_cache_config)
+        if self.disabled is not None:
+            self._refuse(f"engine: {self.disabled}", "the KV store is off for this engine")
+            return
+        self.layouts = engine_layouts(vllm_config, kv_cache_config, self.settings)
+        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        name = "vllm-scheduler" if role == KVConnectorRole.SCHEDULER else "vllm-worker"
+        self.link = StoreLink(self.settings, name)
+        self.planner = Planner(
+            self.layouts, self._lookup, lambda r: request_salt(self.settings, r), session_of
+        )
+        self.worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker = ConnectorWorker(
+                self.link, self.settings, self.planner.layouts_for,
+                get_tensor_model_parallel_rank(),
+            )  # fmt: skip
+
+    def _refuse(self, reason: str, what: str) -> None:
+        if not self.refusals[reason]:
+            log.warning("tierstore connector: %s (%s); further ones only counted", what, reason)
+        self.refusals[reason] += 1
+
+    # ==============================  scheduler side  ==============================
+
+    def _lookup(self, layout: KVLayout, keys: list[BlockKey]) -> int:
+        client = self.link.client()
+        if client is None:
+            return 0
+        try:
+            return client.lookup(layout, keys, include_peers=self.settings.include_peers).num_hits
+        except TierstoreError as e:
+            self.link.failed(e)
+            return 0
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if self.disabled is not None:
+            return 0, False
+        reason = request_refusal(request)
+        if reason is not None:
+            self._refuse(f"request: {reason}", f"request {request.request_id} not served")
+            return 0, False
+        return self.planner.matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if self.disabled is None and num_external_tokens > 0:
+            self.planner.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        if self.disabled is not None:
+            return TierstoreConnectorMetadata()
+        loads, saves = self.planner.build(scheduler_output)
+        return TierstoreConnectorMetadata(loads, saves)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.disabled is None and connector_output.invalid_block_ids:
+            self.planner.load_failed(set(connector_output.invalid_block_ids))
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if self.disabled is not None:
+            return False, None
+        turn = self.planner.finished(request)
+        if turn is not None and self.settings.end_turn:
+            self._end_turn(turn)
+        return False, None  # saves are in the arena by the end of each step
+
+    def _end_turn(self, turn: EndTurn) -> None:
+        client = self.link.client()
+        if client is None:
+            return
+        try:
+            for layout, keys in zip(self.planner.layouts_for(turn.salt), turn.keys):
+                client.end_turn(turn.session, layout, list(keys), turn.num_tokens)
+        except TierstoreError as e:
+            self.link.failed(e)
+
+    # ==============================  worker side  ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.worker is None:
+            return
+        layer_bytes = self.layouts[0].block_bytes // self.layouts[0].num_layers
+        try:
+            self.worker.register(kv_caches, self.layer_names, layer_bytes)
+        except PageLayoutError as e:
+            self._refuse(f"pages: {e}", "vLLM's KV pages cannot be copied; loads will fail")
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, TierstoreConnectorMetadata):
+            self.worker.reserve(connector_metadata.saves)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if self.worker is not None and isinstance(meta, TierstoreConnectorMetadata):
+            self.worker.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            self.worker.layer_loaded(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        if self.worker is not None:
+            self.worker.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self.worker is not None:
+            self.worker.end_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self.disabled is None:
+            if self.worker is not None:
+                log.info("tierstore connector worker: %s", self.worker.counters)
+            self.link.close()

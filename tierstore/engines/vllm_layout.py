@@ -1,0 +1,166 @@
+"""The KVLayout of a vLLM engine, and what the vLLM connector refuses.
+
+Provides:
+- ``ConnectorSettings``: the connector's ``kv_connector_extra_config``,
+  validated (unknown keys raise).
+- ``engine_layouts(vllm_config, kv_cache_config, settings)``: one KVLayout
+  per tensor-parallel rank; the model identity in it names the model (name,
+  revision, a hash of its config and dtype) and vLLM's page format (platform
+  and ``kv_cache_config.kv_cache_layout``), so CPU- and GPU-layout blocks,
+  or two models, never share a key.
+- ``engine_refusal(...)``: why an engine's KV cannot be restored by prefix
+  (hybrid or sliding-window layers, pages that are not K+V of full
+  attention, pipeline parallelism), or None.
+- ``request_refusal(request)``: why one request's KV cannot (multimodal
+  inputs, LoRA, prompt embeddings), or None.
+- ``request_salt(settings, request)``: the tenant salt of a request's keys
+  (vLLM's per-request ``cache_salt`` isolates tenants: so do our keys).
+
+A block is the K and V of every layer for ``block_size`` tokens: layer after
+layer, each layer's part being vLLM's own page of that block, byte for byte
+(on the CPU backend ``[kv_heads][block_size][2*head_size]``: per head the
+block's K rows, then its V rows). Pure functions; any process, any thread.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import blake3
+
+from tierstore.keys import DTYPE_BYTES, KVLayout
+
+# Config fields that do not change the KV a model computes.
+_VOLATILE_CONFIG_FIELDS = frozenset(
+    "_name_or_path _attn_implementation _attn_implementation_internal _commit_hash "
+    "transformers_version use_cache output_attentions output_hidden_states return_dict "
+    "_attn_implementation_autoset architectures".split()
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """``kv_connector_extra_config`` of the TierstoreConnector."""
+
+    socket_path: str = ""  # the sidecar's Unix socket; "" = tierstore's config default
+    include_peers: bool = False  # lookups and loads also ask the group's other sidecars
+    load_deadline_s: float = 5.0  # one load's deadline for fetches from a peer
+    connect_timeout_s: float = 2.0  # a sidecar that does not answer in time: run cold
+    call_timeout_s: float = 10.0  # any one control call
+    reconnect_s: float = 5.0  # after the sidecar failed, try it again this often
+    end_turn: bool = True  # tell the sidecar when a request ends (replica push)
+    model_name: str = ""  # the model's name in keys ("" = vLLM's model name or path)
+    tenant_salt: str = ""  # a namespace of its own (e.g. per deployment)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown TierstoreConnector settings {unknown}; known: {sorted(known)}"
+            )
+        settings = cls(**extra)
+        for name in ("load_deadline_s", "connect_timeout_s", "call_timeout_s", "reconnect_s"):
+            if not getattr(settings, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(settings, name)!r}")
+        return settings
+
+
+def _config_hash(hf_config: Any, dtype: str) -> str:
+    raw = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(vars(hf_config))
+    cfg = {k: v for k, v in raw.items() if k not in _VOLATILE_CONFIG_FIELDS}
+    cfg["__compute_dtype__"] = dtype
+    encoded = json.dumps(cfg, sort_keys=True, separators=(",", ":"), default=str)
+    return blake3.blake3(encoded.encode()).hexdigest()[:16]
+
+
+def _single_spec(kv_cache_config: Any) -> Any:
+    groups = kv_cache_config.kv_cache_groups
+    return groups[0].kv_cache_spec if len(groups) == 1 else None
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def engine_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
+    """Why this engine's KV cannot be restored from stored prefix blocks."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        return f"hybrid KV cache ({len(groups)} groups: sliding-window, mamba or mixed layers)"
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec):
+        return f"layers of kind {type(spec).__name__}, not full attention"
+    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
+        return "sliding-window or chunked attention"
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        return "pipeline parallelism (each rank holds some layers)"
+    if _dtype_name(spec.dtype) not in DTYPE_BYTES:
+        return f"KV cache dtype {spec.dtype}"
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        return "K and V of different head sizes"
+    layout = engine_layouts(vllm_config, kv_cache_config, ConnectorSettings())[0]
+    page_bytes = int(spec.page_size_bytes)
+    if layout.block_bytes != layout.num_layers * page_bytes:
+        return (
+            f"pages of {page_bytes} bytes per layer are not K+V of {spec.num_kv_heads} heads "
+            f"x {spec.head_size} x {spec.block_size} tokens (MLA or padded pages)"
+        )
+    return None
+
+
+def engine_layouts(
+    vllm_config: Any, kv_cache_config: Any, settings: ConnectorSettings
+) -> tuple[KVLayout, ...]:
+    """One KVLayout per tensor-parallel rank (index = rank)."""
+    from vllm.platforms import current_platform
+
+    spec = _single_spec(kv_cache_config)
+    if spec is None:
+        raise ValueError("engine_layouts needs a KV cache of one group")
+    model_config = vllm_config.model_config
+    dtype = _dtype_name(spec.dtype)
+    name = settings.model_name or str(model_config.model)
+    revision = model_config.revision or ""
+    cfg = _config_hash(model_config.hf_text_config, _dtype_name(model_config.dtype))
+    page = f"{current_platform.device_type}-{kv_cache_config.kv_cache_layout}"
+    model = f"vllm:{name}@{revision}#{cfg}/{page}"
+    tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+    base = KVLayout(
+        model=model,
+        num_layers=len(kv_cache_config.kv_cache_groups[0].layer_names),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_dim=int(spec.head_size),
+        dtype=dtype,
+        block_tokens=int(spec.block_size),
+        tp_rank=0,
+        tp_size=tp_size,
+        tenant_salt=settings.tenant_salt,
+    )
+    return tuple(replace(base, tp_rank=r) for r in range(tp_size))
+
+
+def request_refusal(request: Any) -> str | None:
+    """Why this request's KV cannot be restored by its token ids alone."""
+    if request.prompt_token_ids is None:
+        return "prompt_embeds"
+    if request.mm_features:
+        return "multimodal"  # images change KV without changing token ids
+    if request.lora_request is not None:
+        return "lora"
+    return None
+
+
+def request_salt(settings: ConnectorSettings, request: Any) -> str:
+    """The tenant salt of this request's keys: the deployment's salt and
+    vLLM's per-request ``cache_salt`` (tenant isolation)."""
+    cache_salt = getattr(request, "cache_salt", None) or ""
+    if not cache_salt:
+        return settings.tenant_salt
+    return f"{settings.tenant_salt}\x00cache_salt={cache_salt}"

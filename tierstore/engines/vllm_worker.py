@@ -1,0 +1,307 @@
+"""Worker side of the vLLM connector: copies between vLLM's pages and the arena.
+
+Provides:
+- ``PagedKV``: vLLM's per-layer KV cache tensors viewed as
+  ``[outer, num_blocks, inner]`` bytes (the CPU backend's pages have
+  ``outer == 1``: one block of one layer is one contiguous range; a layout
+  with K and V planes apart, like flash-attention's ``[2, blocks, ...]``,
+  has ``outer == 2``).
+- ``CpuPageMover``: the copies on the CPU (one streaming copy per block,
+  layer and plane; ``tierstore.memory.memcopy``). The CUDA one is in
+  ``vllm_cuda``.
+- ``ConnectorWorker``: one engine step's loads (``load``: acquire the
+  planned blocks, copy them into their pages, layer by layer) and saves
+  (``reserve`` before the forward, ``save_layer`` after each layer's
+  attention wrote its pages, ``end_step`` commits the blocks whose layers
+  were all copied, or gives them back). Blocks that could not be loaded are
+  collected for ``take_load_errors`` (vLLM recomputes them).
+
+A block in the arena is the layers' pages of that block one after another
+(``vllm_layout``). No bytes cross the control socket: the copies go
+straight between vLLM's pages and the sidecar's shared arena.
+
+Runs in vLLM's worker process, on the thread that runs the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from tierstore.client import ReserveStatus, StoreClient
+from tierstore.engines.vllm_layout import ConnectorSettings
+from tierstore.engines.vllm_link import StoreLink
+from tierstore.engines.vllm_plan import LoadSpec, SaveSpec
+from tierstore.errors import TierstoreError
+from tierstore.keys import BlockKey, KVLayout
+from tierstore.memory.memcopy import copy_into
+
+log = logging.getLogger("tierstore.engines.vllm")
+
+Pairs = Sequence[tuple[int, int]]  # (arena offset of this layer's part, vLLM block id)
+
+
+class PageLayoutError(ValueError):
+    """vLLM's KV tensors are not pages this connector can copy."""
+
+
+class PagedKV:
+    """See the module docstring. ``pages[layer]`` is a uint8 tensor
+    ``[outer, num_blocks, inner]`` over the same memory as vLLM's cache."""
+
+    def __init__(
+        self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], layer_bytes: int
+    ) -> None:
+        missing = [n for n in layer_names if n not in kv_caches]
+        if missing:
+            raise PageLayoutError(f"no KV cache for layers {missing}")
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.layer_bytes = layer_bytes
+        self.pages = [self._paged(kv_caches[n], layer_bytes, n) for n in layer_names]
+        self.device = self.pages[0].device
+        self.outer = self.pages[0].shape[0]
+        self.inner = self.pages[0].shape[2]
+
+    @staticmethod
+    def _paged(t: torch.Tensor, layer_bytes: int, name: str) -> torch.Tensor:
+        if not t.is_contiguous():
+            raise PageLayoutError(f"layer {name}: KV cache of shape {tuple(t.shape)} strides "
+                                  f"{t.stride()} is not contiguous")  # fmt: skip
+        total = t.numel() * t.element_size()
+        if total % layer_bytes:
+            raise PageLayoutError(f"layer {name}: {total} bytes is no whole number of pages")
+        num_blocks = total // layer_bytes
+        shape = list(t.shape)
+        for d, size in enumerate(shape):
+            if size == num_blocks:
+                outer = int(np.prod(shape[:d], dtype=np.int64))
+                inner_bytes = layer_bytes // outer if layer_bytes % outer == 0 else 0
+                if inner_bytes and outer * num_blocks * inner_bytes == total:
+                    flat = t.view(-1).view(torch.uint8) if t.dim() else t.view(torch.uint8)
+                    return flat.view(outer, num_blocks, inner_bytes)
+        raise PageLayoutError(
+            f"layer {name}: no block dimension of size {num_blocks} in shape {tuple(shape)}"
+        )
+
+
+class PageMover(Protocol):
+    def to_pages(self, layer: int, pairs: Pairs) -> None: ...
+    def from_pages(self, layer: int, pairs: Pairs) -> None: ...
+    def layer_ready(self, layer: int) -> None: ...
+    def sync(self) -> None: ...
+
+
+class CpuPageMover:
+    """Synchronous copies on the calling thread."""
+
+    def __init__(self, paged: PagedKV, arena: torch.Tensor) -> None:
+        self.arena = arena.numpy()
+        self.pages = [p.numpy() for p in paged.pages]
+        self.outer, self.inner = paged.outer, paged.inner
+
+    def to_pages(self, layer: int, pairs: Pairs) -> None:
+        page, n = self.pages[layer], self.inner
+        for offset, block_id in pairs:
+            for o in range(self.outer):
+                copy_into(page[o, block_id], self.arena[offset + o * n : offset + (o + 1) * n])
+
+    def from_pages(self, layer: int, pairs: Pairs) -> None:
+        page, n = self.pages[layer], self.inner
+        for offset, block_id in pairs:
+            for o in range(self.outer):
+                copy_into(self.arena[offset + o * n : offset + (o + 1) * n], page[o, block_id])
+
+    def layer_ready(self, layer: int) -> None:
+        return
+
+    def sync(self) -> None:
+        return
+
+
+@dataclass(slots=True)
+class WorkerCounters:
+    loaded_blocks: int = 0
+    load_failed_blocks: int = 0
+    saved_blocks: int = 0
+    save_exists_blocks: int = 0
+    save_full_blocks: int = 0
+    save_aborted_blocks: int = 0
+
+
+@dataclass(slots=True)
+class _Reservation:
+    layout: KVLayout
+    keys: list[BlockKey]
+    pairs: list[tuple[int, int]]  # (arena offset of the block, vLLM block id)
+
+
+@dataclass(slots=True)
+class _Step:
+    saves: list[_Reservation] = field(default_factory=list)
+    layers_saved: set[int] = field(default_factory=set)
+    pins: list[Any] = field(default_factory=list)  # Pinned, released at end_step
+
+
+class ConnectorWorker:
+    """See the module docstring. Not thread-safe: vLLM calls it from one thread."""
+
+    def __init__(
+        self,
+        link: StoreLink,
+        settings: ConnectorSettings,
+        layouts_for: Any,  # Callable[[str], tuple[KVLayout, ...]]
+        tp_rank: int,
+    ) -> None:
+        self.link = link
+        self.settings = settings
+        self.layouts_for = layouts_for
+        self.tp_rank = tp_rank
+        self.counters = WorkerCounters()
+        self.paged: PagedKV | None = None
+        self._mover: PageMover | None = None
+        self._mover_arena: Any = None
+        self._step = _Step()
+        self._load_errors: set[int] = set()
+
+    def register(
+        self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], layer_bytes: int
+    ) -> None:
+        """Map vLLM's KV tensors (raises PageLayoutError if they are not pages)."""
+        self.paged = PagedKV(kv_caches, layer_names, layer_bytes)
+
+    def _client_and_mover(self) -> tuple[StoreClient, PageMover] | None:
+        client = self.link.client()
+        if client is None or self.paged is None:
+            return None
+        if self._mover is None or self._mover_arena is not client.arena_tensor:
+            if self.paged.device.type == "cuda":
+                from tierstore.engines.vllm_cuda import CudaPageMover
+
+                self._mover = CudaPageMover(self.paged, client.arena_tensor)
+            else:
+                self._mover = CpuPageMover(self.paged, client.arena_tensor)
+            self._mover_arena = client.arena_tensor
+        return client, self._mover
+
+    # -- before the forward ----------------------------------------------------------------
+
+    def reserve(self, saves: Sequence[SaveSpec]) -> None:
+        """Reserve arena slots for this step's saves (blocks the store lacks)."""
+        self._step = _Step()
+        if not saves:
+            return
+        cm = self._client_and_mover()
+        if cm is None:
+            return
+        client, _ = cm
+        try:
+            for spec in saves:
+                layout = self.layouts_for(spec.salt)[self.tp_rank]
+                keys = list(spec.keys[self.tp_rank])
+                for lo in range(0, len(keys), client.max_batch_keys):
+                    got = client.reserve(layout, keys[lo : lo + client.max_batch_keys])
+                    res = _Reservation(layout, [], [])
+                    for j, (status, offset) in enumerate(zip(got.statuses, got.offsets)):
+                        if status == ReserveStatus.OK:
+                            res.keys.append(got.keys[j])
+                            res.pairs.append((offset, spec.block_ids[lo + j]))
+                        elif status == ReserveStatus.EXISTS:
+                            self.counters.save_exists_blocks += 1
+                        else:
+                            self.counters.save_full_blocks += 1
+                    if res.keys:
+                        self._step.saves.append(res)
+        except TierstoreError as e:
+            self._step.saves = []  # the sidecar drops a dead client's reservations
+            self.link.failed(e)
+
+    def load(self, loads: Sequence[LoadSpec]) -> None:
+        """Pin each planned prefix and copy it into vLLM's pages, layer by
+        layer. What is not pinned (gone, failed verification, sidecar down)
+        goes to the load errors."""
+        for spec in loads:
+            got = 0
+            cm = self._client_and_mover()
+            if cm is not None:
+                client, mover = cm
+                try:
+                    got = self._load_one(client, mover, spec)
+                except TierstoreError as e:
+                    self.link.failed(e)
+            self.counters.loaded_blocks += got
+            self.counters.load_failed_blocks += len(spec.block_ids) - got
+            self._load_errors.update(spec.block_ids[got:])
+
+    def _load_one(self, client: StoreClient, mover: PageMover, spec: LoadSpec) -> int:
+        assert self.paged is not None
+        layout = self.layouts_for(spec.salt)[self.tp_rank]
+        keys = list(spec.keys[self.tp_rank])
+        got = 0
+        while got < len(keys):
+            chunk = keys[got : got + client.max_batch_keys]
+            pinned = client.acquire(
+                layout,
+                chunk,
+                include_peers=self.settings.include_peers,
+                deadline_s=self.settings.load_deadline_s,
+            )
+            self._step.pins.append(pinned)
+            ids = spec.block_ids[got : got + len(pinned.offsets)]
+            for layer in range(len(self.paged.pages)):
+                base = layer * self.paged.layer_bytes
+                mover.to_pages(layer, [(o + base, b) for o, b in zip(pinned.offsets, ids)])
+            got += len(pinned.offsets)
+            if len(pinned.offsets) < len(chunk):
+                break
+        return got
+
+    def layer_loaded(self, layer_name: str) -> None:
+        if self._mover is not None and self.paged is not None:
+            self._mover.layer_ready(self.paged.layer_index[layer_name])
+
+    # -- during and after the forward ------------------------------------------------------
+
+    def save_layer(self, layer_name: str) -> None:
+        """Copy this layer's part of every reserved block out of its page
+        (called after the layer's attention wrote its KV)."""
+        if not self._step.saves or self._mover is None or self.paged is None:
+            return
+        layer = self.paged.layer_index.get(layer_name)
+        if layer is None or layer in self._step.layers_saved:
+            return
+        base = layer * self.paged.layer_bytes
+        for res in self._step.saves:
+            self._mover.from_pages(layer, [(o + base, b) for o, b in res.pairs])
+        self._step.layers_saved.add(layer)
+
+    def end_step(self) -> None:
+        """Commit the blocks whose every layer was copied (else give their
+        slots back) and release this step's pins."""
+        step, self._step = self._step, _Step()
+        if not step.saves and not step.pins:
+            return
+        client = self.link.client()
+        try:
+            if self._mover is not None:
+                self._mover.sync()
+            complete = self.paged is not None and len(step.layers_saved) == len(self.paged.pages)
+            for res in step.saves:
+                if client is None:
+                    break
+                if complete:
+                    self.counters.saved_blocks += sum(client.commit(res.layout, res.keys))
+                else:
+                    self.counters.save_aborted_blocks += client.abort(res.layout, res.keys)
+            for pinned in step.pins:
+                pinned.release()
+        except TierstoreError as e:
+            self.link.failed(e)
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
