@@ -1,0 +1,276 @@
+"""A vLLM engine in a child process, driven over its stdin and stdout.
+
+Provides:
+- ``tiny_llama(path, ...)``: save a random-weight Llama built from a config
+  (nothing is downloaded) for vLLM to load.
+- ``kv_transfer_config(socket_path, **settings)``: the TierstoreConnector's
+  ``kv_transfer_config``.
+- ``VllmEngine``: starts ``python -m tierstore.engines.vllm_driver`` with a
+  model and an optional connector and sends it requests: ``generate``
+  (greedy; token ids, ``num_cached_tokens`` and the call's time per prompt)
+  and ``close``. Every wait has a deadline; an engine that dies or stalls
+  raises ``EngineError`` with the tail of its log.
+
+Fresh engine processes are what "warm from another process" means, and vLLM
+wants its ``LLM`` built under a ``__main__`` guard: the child is that
+``__main__``. Used by the tests, ``bench/vllm.py`` and ``tierstore demo
+--engine vllm``. The parent side imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+REPLY = "@@tierstore-driver "
+DEFAULT_START_TIMEOUT_S = 300.0
+
+
+class EngineError(RuntimeError):
+    """The engine child failed, exited or did not answer in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    token_ids: list[int]
+    num_cached_tokens: int
+
+
+def tiny_llama(
+    path: str | os.PathLike[str],
+    *,
+    num_layers: int = 4,
+    hidden: int = 256,
+    kv_heads: int = 2,
+    vocab: int = 1024,
+    max_positions: int = 16384,
+    seed: int = 0,
+) -> Path:
+    """A random-weight bf16 Llama (4 layers, hidden 256, 2 KV heads by
+    default) saved with ``save_pretrained``; returns its directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(  # type: ignore[call-arg]
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        initializer_range=0.1,  # 0.02 makes a random Llama repeat one token
+        torch_dtype="bfloat16",
+    )
+    model: Any = LlamaForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def kv_transfer_config(socket_path: str | os.PathLike[str], **settings: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "TierstoreConnector",
+        "kv_connector_module_path": "tierstore.engines.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # vLLM's default fails the request
+        "kv_connector_extra_config": {"socket_path": str(socket_path), **settings},
+    }
+
+
+def example_transfer_config(storage_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """vLLM's reference ExampleConnector (safetensors files), for comparison."""
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(storage_path)},
+    }
+
+
+class VllmEngine:
+    """See the module docstring. Use as a context manager or call ``close``."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        kv_transfer: dict[str, Any] | None = None,
+        *,
+        enforce_eager: bool = True,
+        log_path: str | os.PathLike[str] | None = None,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        args = [sys.executable, "-m", "tierstore.engines.vllm_driver", "--model", str(model)]
+        if kv_transfer is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        if enforce_eager:
+            args.append("--enforce-eager")
+        child_env = dict(os.environ, **(env or {}))
+        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self._log_tail: deque[str] = deque(maxlen=60)
+        self._log_file: IO[str] | None = open(log_path, "a") if log_path else None
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=child_env,
+        )
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, name="vllm-driver-out", daemon=True)
+        self._reader.start()
+        self.start_s = self._reply(start_timeout_s)["start_s"]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                self._replies.put(json.loads(line[len(REPLY) :]))
+                continue
+            self._log_tail.append(line)
+            if self._log_file is not None:
+                self._log_file.write(line)
+                self._log_file.flush()
+        self._replies.put(None)
+
+    def _reply(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            reply = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            self.proc.kill()
+            raise EngineError(f"no answer within {timeout_s}s:\n{self.log_tail()}") from None
+        if reply is None:
+            self.proc.wait(30)
+            raise EngineError(f"engine exited {self.proc.returncode}:\n{self.log_tail()}")
+        if "error" in reply:
+            raise EngineError(f"engine failed: {reply['error']}\n{self.log_tail()}")
+        return reply
+
+    def log_tail(self) -> str:
+        return "".join(self._log_tail)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int = 8,
+        *,
+        session: str = "",
+        timeout_s: float = 300.0,
+    ) -> tuple[list[Output], float]:
+        """Greedy outputs of ``prompts`` (one batch) and the call's seconds."""
+        assert self.proc.stdin is not None
+        cmd = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "session": session}
+        try:
+            self.proc.stdin.write(json.dumps(cmd) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise EngineError(f"engine is gone:\n{self.log_tail()}") from None
+        reply = self._reply(timeout_s)
+        outs = [Output(o["token_ids"], o["num_cached_tokens"]) for o in reply["outputs"]]
+        return outs, float(reply["seconds"])
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout_s)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(30)
+        self._reader.join(timeout=10)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+    def __enter__(self) -> VllmEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- the child ---------------------------------------------------------------------------
+
+
+def _send(obj: dict[str, Any]) -> None:
+    sys.stdout.write(REPLY + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _child(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="tierstore.engines.vllm_driver")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--kv-transfer-config", default="")
+    parser.add_argument("--enforce-eager", action="store_true")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {}
+    if args.kv_transfer_config:
+        kwargs["kv_transfer_config"] = json.loads(args.kv_transfer_config)
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enable_prefix_caching=True,
+        enforce_eager=args.enforce_eager,
+        **kwargs,
+    )
+    # The first request of an eager engine can differ from later ones: warm up.
+    warm = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False)
+    warm_up: Any = [{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}]
+    llm.generate(warm_up, warm, use_tqdm=False)
+    _send({"start_s": time.perf_counter() - t0})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "close":
+            break
+        params = SamplingParams(
+            max_tokens=cmd["max_tokens"],
+            temperature=0.0,
+            detokenize=False,
+            extra_args={"kv_transfer_params": {"session": cmd["session"]}}
+            if cmd.get("session")
+            else None,
+        )
+        t = time.perf_counter()
+        batch: Any = [{"prompt_token_ids": p} for p in cmd["prompts"]]
+        outs = llm.generate(batch, params, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        _send(
+            {
+                "seconds": seconds,
+                "outputs": [
+                    {
+                        "token_ids": list(o.outputs[0].token_ids),
+                        "num_cached_tokens": int(o.num_cached_tokens or 0),
+                    }
+                    for o in outs
+                ],
+            }
+        )
+
+
+if __name__ == "__main__":
+    try:
+        _child(sys.argv[1:])
+    except Exception as e:  # the parent gets the failure, not a silent exit
+        _send({"error": f"{type(e).__name__}: {e}"})
+        raise
