@@ -67,6 +67,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from tierstore.engines.vllm_demo import main as vllm_demo_main
+
+        return vllm_demo_main(args)
     from tierstore.cli.demo import main as demo_main
 
     return demo_main(args)
@@ -366,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=256, help="hidden size of the random model")
     p.add_argument("--layers", type=int, default=4, help="layers of the random model")
     p.add_argument("--keep", action="store_true", help="keep the sidecars' files (logs)")
+    p.add_argument(
+        "--engine", choices=("hf", "vllm"), default="hf",
+        help="hf: transformers (starts in seconds); vllm: real vLLM engines (needs vllm)",
+    )  # fmt: skip
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("config", help="print the effective configuration")
