@@ -6,7 +6,7 @@ Provides:
 - ``kv_transfer_config(socket_path, **settings)``: the TierstoreConnector's
   ``kv_transfer_config``.
 - ``VllmEngine``: starts ``python -m tierstore.engines.vllm_driver`` with a
-  model and an optional connector and sends it requests: ``generate``
+  model, an optional connector and more ``LLM`` arguments, and sends it requests: ``generate``
   (greedy; token ids, ``num_cached_tokens`` and the call's time per prompt)
   and ``close``. Every wait has a deadline; an engine that dies or stalls
   raises ``EngineError`` with the tail of its log.
@@ -111,10 +111,13 @@ class VllmEngine:
         log_path: str | os.PathLike[str] | None = None,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         env: dict[str, str] | None = None,
+        llm_kwargs: dict[str, Any] | None = None,
     ) -> None:
         args = [sys.executable, "-m", "tierstore.engines.vllm_driver", "--model", str(model)]
         if kv_transfer is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        if llm_kwargs:
+            args += ["--llm-kwargs", json.dumps(llm_kwargs)]
         if enforce_eager:
             args.append("--enforce-eager")
         child_env = dict(os.environ, **(env or {}))
@@ -218,11 +221,12 @@ def _child(argv: list[str]) -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--kv-transfer-config", default="")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--llm-kwargs", default="", help="more LLM(...) arguments, as JSON")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
 
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = json.loads(args.llm_kwargs) if args.llm_kwargs else {}
     if args.kv_transfer_config:
         kwargs["kv_transfer_config"] = json.loads(args.kv_transfer_config)
     llm = LLM(

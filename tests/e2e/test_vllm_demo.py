@@ -1,0 +1,35 @@
+"""`tierstore demo --engine vllm`: the session switch with real vLLM engines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_vllm_demo_resumes_warm_on_host_b_with_equal_outputs() -> None:
+    tmp_before = {p.name for p in Path(tempfile.gettempdir()).glob("tierstore-demo-*")}
+    out = subprocess.run(
+        [sys.executable, "-m", "tierstore.cli", "demo", "--engine", "vllm", "--json",
+         "--tokens", "1536"],
+        capture_output=True, text=True, timeout=840, cwd=REPO, check=True,
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    assert result["outputs_equal"] is True
+    assert result["replica_bytes_on_b"] > 0  # A pushed the session to B after its turns
+    # B reused at least turn 2's prompt (its full blocks), all from A's replica:
+    # the switch prompt is that prompt, its 16 output tokens and 64 new ones.
+    assert result["reused_tokens"] >= (result["switch_prompt_tokens"] - 80) // 128 * 128
+    tmp_after = {p.name for p in Path(tempfile.gettempdir()).glob("tierstore-demo-*")}
+    assert tmp_after <= tmp_before
