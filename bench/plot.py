@@ -3,7 +3,9 @@
     python bench/ttft.py --json > ttft.json
     python bench/peer.py --json > peer.json
     python bench/switch.py --simulate --json > sim.json
-    python bench/plot.py --ttft ttft.json --peer peer.json --routing sim.json --out docs/img
+    python bench/vllm.py --json > vllm.json
+    python bench/plot.py --ttft ttft.json --peer peer.json --routing sim.json --vllm vllm.json \
+        --out docs/img
 
 Needs matplotlib (not a tierstore dependency: `pip install matplotlib`).
 """
@@ -102,11 +104,39 @@ def plot_routing(data: dict, out: Path) -> None:
     fig.savefig(out / "routing.png")
 
 
+VLLM_MODES = [
+    ("cold_ttft_s", "cold (no connector)", "#999"),
+    ("cold_with_store_ttft_s", "cold, saving to tierstore", "#bbb"),
+    ("warm_ttft_s", "warm: tierstore DRAM", "#4c72b0"),
+    ("warm_nvme_ttft_s", "warm: tierstore NVMe", "#55a868"),
+    ("warm_peer_ttft_s", "warm: peer sidecar", "#8172b2"),
+    ("example_warm_ttft_s", "warm: vLLM ExampleConnector", "#c44e52"),
+]
+
+
+def plot_vllm(data: dict, out: Path) -> None:
+    runs = data["runs"]
+    modes = [m for m in VLLM_MODES if m[0] in runs[0]]
+    width = 0.8 / len(modes)
+    fig, ax = plt.subplots(figsize=(7.2, 3.8), dpi=120)
+    for j, (key, label, color) in enumerate(modes):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(runs))]
+        ax.bar(xs, [r[key] for r in runs], width, label=label, color=color)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(runs)), [f"{r['tokens']} tokens" for r in runs])
+    ax.set_ylabel("time to first token (s, log)")
+    ax.set_title("vLLM (CPU build) TTFT, fresh engine processes, 2 CPU cores")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "vllm_ttft.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ttft", type=Path)
     parser.add_argument("--peer", type=Path)
     parser.add_argument("--routing", type=Path, help="bench/switch.py --simulate --json output")
+    parser.add_argument("--vllm", type=Path, help="bench/vllm.py --json output")
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -116,6 +146,8 @@ def main() -> None:
         plot_peer(json.loads(args.peer.read_text()), args.out)
     if args.routing:
         plot_routing(json.loads(args.routing.read_text()), args.out)
+    if args.vllm:
+        plot_vllm(json.loads(args.vllm.read_text()), args.out)
 
 
 if __name__ == "__main__":

@@ -119,6 +119,9 @@ class TierstoreConnector(KVConnectorBase_V1):
             self.layouts, self._lookup, lambda r: request_salt(self.settings, r), session_of
         )
         self.worker: ConnectorWorker | None = None
+        # Connect now, not in the first request's time to first token (attach,
+        # arena mapping); a sidecar that is not there only starts the retry clock.
+        self.link.client()
         if role == KVConnectorRole.WORKER:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
