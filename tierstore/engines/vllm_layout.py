@@ -89,7 +89,7 @@ def _dtype_name(dtype: Any) -> str:
 
 def engine_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
     """Why this engine's KV cannot be restored from stored prefix blocks."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -97,6 +97,8 @@ def engine_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
     spec = groups[0].kv_cache_spec
     if not isinstance(spec, FullAttentionSpec):
         return f"layers of kind {type(spec).__name__}, not full attention"
+    if isinstance(spec, MLAAttentionSpec):
+        return "MLA (pages hold one latent per token, not K and V)"
     if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
         return "sliding-window or chunked attention"
     if vllm_config.parallel_config.pipeline_parallel_size != 1:

@@ -1,0 +1,90 @@
+"""The vLLM connector's layouts and engine refusals, from vLLM's own KV cache specs."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]')")
+
+import torch
+from transformers import LlamaConfig
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+from tierstore.engines.vllm_layout import ConnectorSettings, engine_layouts, engine_refusal
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+
+def full(**kw: Any) -> FullAttentionSpec:
+    args: dict[str, Any] = dict(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    args.update(kw)
+    return FullAttentionSpec(**args)
+
+
+def kv_config(*specs: Any, layout: str = "LBHNC") -> KVCacheConfig:
+    groups = [KVCacheGroupSpec(LAYERS, s) for s in specs]
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups,
+                         kv_cache_layout=layout)  # fmt: skip
+
+
+def vllm_config(tp: int = 1, pp: int = 1, model: str = "/models/llama", **cfg: Any) -> Any:
+    hf = LlamaConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                     num_key_value_heads=2, **cfg)  # fmt: skip
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, revision=None, hf_text_config=hf,
+                                     dtype=torch.bfloat16),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+    )  # fmt: skip
+
+
+def test_full_attention_is_served_with_a_layout_per_rank() -> None:
+    cfg, kv = vllm_config(tp=2), kv_config(full())
+    assert engine_refusal(cfg, kv) is None
+    a, b = engine_layouts(cfg, kv, ConnectorSettings())
+    assert (a.num_layers, a.num_kv_heads, a.head_dim, a.dtype, a.block_tokens) == (
+        4, 2, 64, "bfloat16", 128,
+    )  # fmt: skip
+    assert (a.tp_rank, b.tp_rank, a.tp_size) == (0, 1, 2)
+    assert a.fingerprint != b.fingerprint
+    assert a.model.startswith("vllm:/models/llama@#") and a.model.endswith("/cpu-LBHNC")
+    assert a.block_bytes == 4 * full().page_size_bytes
+
+
+def test_identity_names_model_config_page_format_and_salt() -> None:
+    kv = kv_config(full())
+    base = engine_layouts(vllm_config(), kv, ConnectorSettings())[0]
+    same = engine_layouts(vllm_config(), kv, ConnectorSettings())[0]
+    assert base == same  # deterministic
+    others = [
+        engine_layouts(vllm_config(rope_theta=1e6), kv, ConnectorSettings())[0],
+        engine_layouts(vllm_config(), kv_config(full(), layout="BLHNC"), ConnectorSettings())[0],
+        engine_layouts(vllm_config(), kv, ConnectorSettings(model_name="llama-3"))[0],
+        engine_layouts(vllm_config(), kv, ConnectorSettings(tenant_salt="t1"))[0],
+    ]
+    assert len({base.fingerprint, *(o.fingerprint for o in others)}) == 5
+    # The name set in the settings replaces the path: hosts with other paths share keys.
+    here = engine_layouts(vllm_config(model="/a"), kv, ConnectorSettings(model_name="m"))[0]
+    there = engine_layouts(vllm_config(model="/b"), kv, ConnectorSettings(model_name="m"))[0]
+    assert here == there
+
+
+def test_what_cannot_be_restored_by_prefix_is_refused() -> None:
+    cfg = vllm_config()
+    window = SlidingWindowSpec(
+        block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=512
+    )
+    assert "hybrid" in str(engine_refusal(cfg, kv_config(full(), window)))
+    assert "SlidingWindowSpec" in str(engine_refusal(cfg, kv_config(window)))
+    assert "pipeline" in str(engine_refusal(vllm_config(pp=2), kv_config(full())))
+    assert "head sizes" in str(engine_refusal(cfg, kv_config(full(head_size_v=32))))
+    mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    assert "MLA" in str(engine_refusal(cfg, kv_config(mla)))
