@@ -118,7 +118,7 @@ def plot_vllm(data: dict, out: Path) -> None:
     runs = data["runs"]
     modes = [m for m in VLLM_MODES if m[0] in runs[0]]
     width = 0.8 / len(modes)
-    fig, ax = plt.subplots(figsize=(7.2, 3.8), dpi=120)
+    fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
     for j, (key, label, color) in enumerate(modes):
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(runs))]
         ax.bar(xs, [r[key] for r in runs], width, label=label, color=color)
@@ -126,7 +126,7 @@ def plot_vllm(data: dict, out: Path) -> None:
     ax.set_xticks(range(len(runs)), [f"{r['tokens']} tokens" for r in runs])
     ax.set_ylabel("time to first token (s, log)")
     ax.set_title("vLLM (CPU build) TTFT, fresh engine processes, 2 CPU cores")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     fig.tight_layout()
     fig.savefig(out / "vllm_ttft.png")
 
