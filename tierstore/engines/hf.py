@@ -17,7 +17,7 @@ shape ``[layer][k/v][kv_head][token][head_dim]`` (k = 0, v = 1). K is stored
 after the rotary embedding, as the model's cache holds it. Packing and
 unpacking copy one strided view per layer and K/V over all blocks at once.
 
-Exactness (measured with transformers 5.24, torch 2.13 CPU, MKL on AVX2):
+Exactness (measured with transformers 5.24 and 5.19, torch 2.13 CPU, MKL on AVX2):
 a resume recomputes at least ``min_compute_tokens`` (default 16) tokens
 because GEMM kernels are not batch-invariant for very few rows: MKL sgemm
 takes another kernel below 12 rows (torch's bmm below 4), so the rows of a
