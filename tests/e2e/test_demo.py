@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tierstore.cli.demo import StageBar, build_model
+from tierstore.cli.demo import LOGITS_ROUNDING_ATOL, StageBar, build_model
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,10 @@ def test_demo_json_is_warm_exact_and_cleans_up() -> None:
     )  # fmt: skip
     result = json.loads(out.stdout)  # nothing but the JSON on stdout
     assert "tierstore demo:" not in out.stderr  # and no bar on stderr either
-    assert result["logits_equal"] is True and result["same_next_token"] is True
+    # Bit for bit where the CPU's kernels round a split prefill like a whole one;
+    # else within float32 rounding (see tierstore.cli.demo.LOGITS_ROUNDING_ATOL).
+    assert result["same_next_token"] is True
+    assert result["logits_equal"] or result["logits_max_abs_diff"] <= LOGITS_ROUNDING_ATOL
     assert result["reused_tokens"] > 0
     assert sum(result["blocks_by_tier"].values()) * 16 == result["reused_tokens"]
     assert result["replicas_imported_on_b"] > 0  # kv_share pushed the session to B
