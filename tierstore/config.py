@@ -70,6 +70,7 @@ class StoreConfig:
     nvme_full_backoff_s: float = 5.0  # after ENOSPC, re-check the disk this often (doubling)
     dram_populate: str = "background"  # background (serve at once) | upfront (populate first)
     dram_huge_pages: bool = True  # ask for transparent huge pages on the arena (madvise)
+    hash_queue_blocks: int = 1 << 16  # committed blocks waiting for their digest; 0: hash on use
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
@@ -112,6 +113,8 @@ class StoreConfig:
             raise ConfigError(
                 f"dram_populate must be background or upfront, got {self.dram_populate!r}"
             )
+        if self.hash_queue_blocks < 0:
+            raise ConfigError(f"hash_queue_blocks must be >= 0, got {self.hash_queue_blocks}")
 
 
 @dataclass(frozen=True)

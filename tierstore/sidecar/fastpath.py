@@ -35,7 +35,6 @@ from tierstore.fastwire import (
 )
 from tierstore.keys import KEY_BYTES, unpack_keys
 from tierstore.store import TieredStore
-from tierstore.tiers import TIER_CODES
 from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -110,7 +109,7 @@ class FastLookupServer:
         keys = unpack_keys(raw)
         res = self.store.lookup(layout, keys)
         self.counters.add("lookups")
-        tiers = bytes(TIER_CODES[t] for t in res.tiers)
+        tiers = res.codes
         return LOOKUP_REP.pack(MAGIC_REP, STATUS_OK, res.num_hits) + tiers
 
     @staticmethod

@@ -298,7 +298,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
     ) -> local_pb2.LookupReply:
         _, layout, keys = self._request(request, attached=False)
         res = self.store.lookup(layout, keys)
-        tiers = bytes(TIER_CODES[t] for t in res.tiers)
+        tiers = res.codes
         if request.include_peers and self.peers is not None and res.num_hits < len(keys):
             timeout_s = self._peer_deadline(request, self.config.peer.peer_lookup_timeout_s)
             _, more = self.peers.lookup(layout, keys[res.num_hits :], timeout_s)

@@ -10,6 +10,13 @@ connection id for engine clients) so that a client that dies leaks nothing
 Runs in the sidecar process (or any process that owns the store); every
 method is thread-safe behind one lock and does no I/O. Bytes are copied in
 and out by the caller through ``view``; the tier only tracks slots.
+
+Cost: every operation is O(1) per key in the number of blocks held. Only
+committed, unpinned blocks are in the eviction policy (a pin takes a block
+out, the last unpin puts it back), so finding a victim never walks pinned
+keys; reservations and pins are indexed by owner, so releasing a dead owner
+or a transfer touches only what it held; the readable count is kept, not
+counted.
 """
 
 from __future__ import annotations
@@ -70,6 +77,9 @@ class DramTier:
         self.policy: EvictionPolicy = policy if policy is not None else LruPolicy()
         self._entries: dict[BlockKey, DramEntry] = {}
         self._pins: dict[int, Counter[BlockKey]] = {}
+        self._pin_totals: dict[int, int] = {}  # owner -> pins it holds (sum of its Counter)
+        self._reserved: dict[int, set[BlockKey]] = {}  # owner -> keys it has RESERVED
+        self._num_readable = 0
         self._lock = threading.Lock()
         self._stats = TierStats(capacity_bytes=self.allocator.capacity_bytes)
         self.events: BlockEventLog | None = None  # set by the store: tier changes for routers
@@ -81,34 +91,73 @@ class DramTier:
     ) -> tuple[ReserveStatus, DramEntry | None]:
         """Allocate a slot for ``key``. OK returns the RESERVED entry, whose
         bytes only ``owner`` may write until ``commit`` or ``abort``."""
+        return self.reserve_many([key], layout_fp, nbytes, owner)[0]
+
+    def reserve_many(
+        self, keys: Sequence[BlockKey], layout_fp: bytes, nbytes: int, owner: int = STORE_OWNER
+    ) -> list[tuple[ReserveStatus, DramEntry | None]]:
+        """``reserve`` for each key, under one acquisition of the lock, up to
+        and including the first FULL one (the keys after it are not tried:
+        evict, then reserve them)."""
+        out: list[tuple[ReserveStatus, DramEntry | None]] = []
         with self._lock:
-            if key in self._entries:
-                return ReserveStatus.EXISTS, self._entries[key]
-            offset = self.allocator.alloc(nbytes)
-            if offset is None:
-                return ReserveStatus.FULL, None
-            entry = DramEntry(key, layout_fp, offset, nbytes, EntryState.RESERVED, owner)
-            self._entries[key] = entry
+            for key in keys:
+                res = self._reserve(key, layout_fp, nbytes, owner)
+                out.append(res)
+                if res[0] == ReserveStatus.FULL:
+                    break
         # A fresh unit of the arena gets its pages now (outside the lock: a
-        # few milliseconds); one the tmpfs cannot hold is never handed out.
-        if not self.arena.ensure_ready(offset, nbytes):
-            with self._lock:
-                if self._entries.get(key) is entry:
-                    self._free(entry)
+        # few milliseconds); one the tmpfs cannot hold is never handed out:
+        # that slot and the ones reserved after it are given back, FULL.
+        for i, (status, entry) in enumerate(out):
+            if status != ReserveStatus.OK or entry is None:
+                continue
+            if not self.arena.ensure_ready(entry.offset, nbytes):
+                with self._lock:
+                    for later_status, later in out[i:]:
+                        if later_status == ReserveStatus.OK and later is not None:
+                            if self._entries.get(later.key) is later:
+                                self._free(later)
+                return [*out[:i], (ReserveStatus.FULL, None)]
+        return out
+
+    def _reserve(
+        self, key: BlockKey, layout_fp: bytes, nbytes: int, owner: int
+    ) -> tuple[ReserveStatus, DramEntry | None]:
+        held = self._entries.get(key)
+        if held is not None:
+            return ReserveStatus.EXISTS, held
+        offset = self.allocator.alloc(nbytes)
+        if offset is None:
             return ReserveStatus.FULL, None
+        entry = DramEntry(key, layout_fp, offset, nbytes, EntryState.RESERVED, owner)
+        self._entries[key] = entry
+        reserved = self._reserved.get(owner)
+        if reserved is None:
+            reserved = self._reserved[owner] = set()
+        reserved.add(key)
         return ReserveStatus.OK, entry
 
     def commit(
-        self, keys: Iterable[BlockKey], owner: int = STORE_OWNER, pin_for: int | None = None
+        self,
+        keys: Iterable[BlockKey],
+        owner: int = STORE_OWNER,
+        pin_for: int | None = None,
+        *,
+        digests: Sequence[bytes | None] | None = None,
+        committed: list[DramEntry] | None = None,
     ) -> list[bool]:
         """Make reserved blocks readable. False for a key this owner did not
         reserve. With ``pin_for``, each committed block is also pinned for that
-        owner in the same step, so no eviction can come between."""
+        owner in the same step, so no eviction can come between. ``digests``
+        (one per key, None where unknown) are the blocks' verified blake3
+        digests, kept with them; ``committed`` gets the entries committed."""
         done = []
         added: list[BlockKey] = []
         with self._lock:
             pins = self._pins.setdefault(pin_for, Counter()) if pin_for is not None else None
-            for key in keys:
+            reserved = self._reserved.get(owner)
+            for i, key in enumerate(keys):
                 entry = self._entries.get(key)
                 ok = (
                     entry is not None
@@ -116,15 +165,25 @@ class DramTier:
                     and entry.owner == owner
                 )
                 if ok:
-                    assert entry is not None
+                    assert entry is not None and reserved is not None
+                    reserved.discard(key)
                     entry.state = EntryState.COMMITTED
-                    self.policy.insert(key)
+                    self._num_readable += 1
                     self._stats.bytes_in += entry.nbytes
+                    if digests is not None and digests[i] is not None:
+                        entry.digest = digests[i]
                     added.append(key)
-                    if pins is not None:
+                    if pins is not None and pin_for is not None:
                         entry.refs += 1
                         pins[key] += 1
+                        self._pin_totals[pin_for] = self._pin_totals.get(pin_for, 0) + 1
+                    else:
+                        self.policy.insert(key)
+                    if committed is not None:
+                        committed.append(entry)
                 done.append(ok)
+            if reserved is not None and not reserved:
+                del self._reserved[owner]
             self._log(True, added)
         return done
 
@@ -163,15 +222,21 @@ class DramTier:
                 entry = self._entries.get(key)
                 if self._readable(entry):
                     assert entry is not None
+                    if entry.refs == 0:
+                        self.policy.remove(key)  # out of eviction's way while pinned
                     entry.refs += 1
                     pins[key] += 1
-                    self.policy.touch(key)
                     self._stats.hits += 1
                     self._stats.bytes_out += entry.nbytes
                     out.append(entry)
                 else:
                     self._stats.misses += 1
                     out.append(None)
+            n = len(out) - out.count(None)
+            if n:
+                self._pin_totals[owner] = self._pin_totals.get(owner, 0) + n
+            elif not pins:
+                del self._pins[owner]
         return out
 
     def pin_quiet(
@@ -186,11 +251,18 @@ class DramTier:
                 entry = self._entries.get(key)
                 if self._readable(entry):
                     assert entry is not None
+                    # Stays in the eviction policy, in its place (skipped as a
+                    # victim while pinned): the order is not this pin's business.
                     entry.refs += 1
                     pins[key] += 1
                     out.append(entry)
                 else:
                     out.append(None)
+            n = len(out) - out.count(None)
+            if n:
+                self._pin_totals[owner] = self._pin_totals.get(owner, 0) + n
+            elif not pins:
+                del self._pins[owner]
         return out
 
     def nbytes_of(self, keys: Sequence[BlockKey]) -> list[int]:
@@ -202,8 +274,15 @@ class DramTier:
         """Committed keys, the ones the eviction policy would keep longest first."""
         with self._lock:
             keys = list(self.policy.candidates())
+            # Pinned blocks are out of the policy until their last unpin: in use
+            # now, so the most recent of all (a one-off scan: drains only).
+            pinned = [
+                k
+                for k, e in self._entries.items()
+                if e.refs > 0 and e.state != EntryState.RESERVED and k not in self.policy
+            ]
         keys.reverse()
-        return keys
+        return pinned + keys
 
     def unpin(self, keys: Iterable[BlockKey], owner: int = STORE_OWNER) -> int:
         """Drop one pin of ``owner`` per key; unknown pins are ignored (counted in the result)."""
@@ -213,15 +292,19 @@ class DramTier:
             if pins is None:
                 return 0
             for key in keys:
-                if pins[key] <= 0:
+                count = pins.get(key, 0)
+                if count <= 0:
                     continue
-                pins[key] -= 1
-                if pins[key] == 0:
+                if count == 1:
                     del pins[key]
-                self._entries[key].refs -= 1
+                else:
+                    pins[key] = count - 1
+                self._unref(self._entries[key], 1)
                 n += 1
-            if not pins and owner != STORE_OWNER:
+            self._pin_totals[owner] = self._pin_totals.get(owner, 0) - n
+            if not pins:
                 del self._pins[owner]
+                self._pin_totals.pop(owner, None)
         return n
 
     def not_reserved_by(self, keys: Sequence[BlockKey], owner: int) -> list[BlockKey]:
@@ -237,7 +320,7 @@ class DramTier:
 
     def pin_count(self, owner: int) -> int:
         with self._lock:
-            return sum(self._pins.get(owner, Counter()).values())
+            return self._pin_totals.get(owner, 0)
 
     def view(self, entry: DramEntry) -> memoryview:
         return self.arena.view(entry.offset, entry.nbytes)
@@ -259,6 +342,22 @@ class DramTier:
             entry.state = EntryState.EVICTING
             return entry
 
+    def take_victims(self, want_bytes: int, max_blocks: int) -> list[DramEntry]:
+        """``take_victim`` until ``want_bytes`` are taken or ``max_blocks``
+        victims, under one lock."""
+        out: list[DramEntry] = []
+        taken = 0
+        with self._lock:
+            while taken < want_bytes and len(out) < max_blocks:
+                key = self.policy.evict(self._evictable)
+                if key is None:
+                    break
+                entry = self._entries[key]
+                entry.state = EntryState.EVICTING
+                out.append(entry)
+                taken += entry.nbytes
+        return out
+
     def take(self, keys: Sequence[BlockKey]) -> list[DramEntry]:
         """Like ``take_victim`` for chosen keys (committed and unpinned ones)."""
         out = []
@@ -276,22 +375,34 @@ class DramTier:
         with self._lock:
             if self._entries.get(entry.key) is entry and entry.state == EntryState.EVICTING:
                 entry.state = EntryState.COMMITTED
-                self.policy.insert(entry.key)
+                if entry.refs == 0:
+                    self.policy.insert(entry.key)
 
     def drop(self, entry: DramEntry) -> bool:
         """End an eviction: free the slot unless a reader pinned it meanwhile,
         in which case the block stays (back in the policy) and False is returned."""
+        return self.drop_many([entry]) == 1
+
+    def drop_many(self, entries: Sequence[DramEntry]) -> int:
+        """``drop`` for each entry under one lock; returns how many were freed."""
+        gone: list[BlockKey] = []
         with self._lock:
-            if self._entries.get(entry.key) is not entry or entry.state != EntryState.EVICTING:
-                return False
-            if entry.refs > 0:
-                entry.state = EntryState.COMMITTED
-                self.policy.insert(entry.key)
-                return False
-            self._free(entry)
-            self._stats.evictions += 1
-            self._log(False, [entry.key])
-            return True
+            for entry in entries:
+                if self._entries.get(entry.key) is not entry or entry.state != EntryState.EVICTING:
+                    continue
+                if entry.refs > 0:
+                    entry.state = EntryState.COMMITTED  # back in the policy at its last unpin
+                    continue
+                self._free(entry)
+                gone.append(entry.key)
+            self._stats.evictions += len(gone)
+            self._log(False, gone)
+        return len(gone)
+
+    def alive(self, entries: Sequence[DramEntry]) -> list[bool]:
+        """Whether each entry is still the tier's entry of its key."""
+        with self._lock:
+            return [self._entries.get(e.key) is e for e in entries]
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
         """Drop committed, unpinned blocks now (no spill)."""
@@ -310,15 +421,14 @@ class DramTier:
         """Abort every reservation and drop every pin of a dead owner.
         Returns (reservations aborted, pins dropped)."""
         with self._lock:
-            aborted = 0
-            for entry in [e for e in self._entries.values() if e.owner == owner]:
-                if entry.state == EntryState.RESERVED:
-                    self._free(entry)
-                    aborted += 1
+            reserved = self._reserved.pop(owner, set())
+            for key in reserved:
+                self._free(self._entries[key])
             pins = self._pins.pop(owner, Counter())
+            self._pin_totals.pop(owner, None)
             for key, count in pins.items():
-                self._entries[key].refs -= count
-            return aborted, sum(pins.values())
+                self._unref(self._entries[key], count)
+            return len(reserved), sum(pins.values())
 
     # -- accounting -----------------------------------------------------------
 
@@ -334,13 +444,16 @@ class DramTier:
         with self._lock:
             snap = self._stats.snapshot()
             snap.used_bytes = self.allocator.used_bytes
-            snap.num_blocks = sum(1 for e in self._entries.values() if self._readable(e))
+            snap.num_blocks = self._num_readable
             return snap
 
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
             self._pins.clear()
+            self._pin_totals.clear()
+            self._reserved.clear()
+            self._num_readable = 0
 
     # -- internals (lock held) --------------------------------------------------
 
@@ -357,6 +470,26 @@ class DramTier:
         if self.events is not None and keys:
             self.events.record(added, TierName.DRAM, keys)
 
+    def _unref(self, entry: DramEntry, count: int) -> None:
+        """Drop ``count`` pins of an entry; the last one puts a committed
+        block back in the eviction policy (as just used)."""
+        entry.refs -= count
+        if (
+            entry.refs == 0
+            and entry.state == EntryState.COMMITTED
+            and entry.key not in self.policy  # a quiet pin left it in its place
+        ):
+            self.policy.insert(entry.key)
+            self.policy.touch(entry.key)
+
     def _free(self, entry: DramEntry) -> None:
         del self._entries[entry.key]
+        if entry.state == EntryState.RESERVED:
+            reserved = self._reserved.get(entry.owner)
+            if reserved is not None:
+                reserved.discard(entry.key)
+                if not reserved:
+                    del self._reserved[entry.owner]
+        else:
+            self._num_readable -= 1
         self.allocator.free(entry.offset)

@@ -21,7 +21,7 @@ import itertools
 import secrets
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tierstore.keys import KEY_BYTES, BlockKey
@@ -47,6 +47,9 @@ class BlockEventLog:
         self._keys = 0
         self._seq = 0
         self._cond = threading.Condition()
+        # Set by the store: told of every removal, under the tier's lock (must not
+        # call back into a tier).
+        self.on_removed: Callable[[Sequence[BlockKey]], None] | None = None
 
     @property
     def seq(self) -> int:
@@ -57,6 +60,8 @@ class BlockEventLog:
     def record(self, added: bool, tier: TierName, keys: Sequence[BlockKey]) -> None:
         if not keys:
             return
+        if not added and self.on_removed is not None:
+            self.on_removed(keys)
         with self._cond:
             self._seq += 1
             self._batches.append(EventBatch(self._seq, added, tier, b"".join(keys)))

@@ -6,13 +6,18 @@ Pure bookkeeping behind one lock, no I/O: residency is still answered by the
 tiers (the store prunes keys that no tier holds). The budget check and the
 promise of room are one step (``reserve``), so concurrent imports cannot
 together exceed the budget.
+
+Cost: ``oldest(limit)`` is O(limit); the store learns which replicas may
+have left every tier from the tiers' removal events (``note_removed``) and
+checks only those, never the whole ledger.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from tierstore.keys import BlockKey
 
@@ -22,15 +27,34 @@ class ReplicaLedger:
         self._blocks: OrderedDict[BlockKey, int] = OrderedDict()  # key -> bytes, oldest first
         self._used_bytes = 0
         self._pending_bytes = 0
-        self._lock = threading.Lock()
+        self._maybe_gone: set[BlockKey] = set()  # replicas some tier dropped since last asked
+        self._lock = threading.Lock()  # a leaf: called under the tiers' locks, calls nothing
 
     def __bool__(self) -> bool:
         return bool(self._blocks)
 
     def oldest(self, limit: int | None = None) -> list[BlockKey]:
         with self._lock:
-            keys = list(self._blocks)
-        return keys if limit is None else keys[:limit]
+            if limit is None:
+                return list(self._blocks)
+            return list(itertools.islice(self._blocks, limit))
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def note_removed(self, keys: Sequence[BlockKey]) -> None:
+        """A tier dropped ``keys``: the replicas among them may be gone."""
+        with self._lock:
+            if self._blocks:
+                blocks = self._blocks
+                self._maybe_gone.update(k for k in keys if k in blocks)
+
+    def take_maybe_gone(self) -> list[BlockKey]:
+        """The replicas noted as removed since the last call (the store asks
+        the tiers whether they still hold them)."""
+        with self._lock:
+            keys, self._maybe_gone = list(self._maybe_gone), set()
+        return keys
 
     def used_bytes(self) -> int:
         with self._lock:
@@ -71,3 +95,4 @@ class ReplicaLedger:
         with self._lock:
             for key in keys:
                 self._used_bytes -= self._blocks.pop(key, 0)
+                self._maybe_gone.discard(key)

@@ -43,13 +43,14 @@ from tierstore.ratelog import RateLimitedLog
 from tierstore.store.base import Tier
 from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier, ReserveStatus
 from tierstore.store.events import BlockEventLog
+from tierstore.store.hasher import HASHER_COUNTERS, CommitHasher
 from tierstore.store.nvme import NVME_GAUGES, NvmeTier, block_digest
 from tierstore.store.promoter import PROMOTER_COUNTERS, Promoter
 from tierstore.store.remote import RemoteTier
 from tierstore.store.remote_pull import pull_prefix
 from tierstore.store.replicas import ReplicaLedger
 from tierstore.store.writer import WRITER_GAUGES, DrainReport, NvmeWriter, drain
-from tierstore.tiers import TierName, TierStats
+from tierstore.tiers import TIER_BY_CODE, TIER_CODES, TierName, TierStats
 from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
@@ -87,10 +88,19 @@ class Reservation:
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     """The longest contiguous prefix of the asked keys that is available,
-    and the fastest tier holding each of its blocks."""
+    and the fastest tier holding each of its blocks, as wire codes
+    (``TIER_CODES``, one byte per block: what the services send as is)."""
 
     num_hits: int
-    tiers: tuple[TierName, ...]
+    codes: bytes
+
+    @property
+    def tiers(self) -> tuple[TierName, ...]:
+        return tuple(TIER_BY_CODE[c] for c in self.codes)
+
+
+_DRAM_CODE = TIER_CODES[TierName.DRAM]
+_NVME_CODE = TIER_CODES[TierName.NVME]
 
 
 STORE_COUNTERS = (
@@ -98,6 +108,8 @@ STORE_COUNTERS = (
     "lookup_keys",
     "lookup_hit_keys",
     *PROMOTER_COUNTERS,
+    *HASHER_COUNTERS,
+    "digests_computed",  # blake3 passes over DRAM blocks (hash once: one per block)
     "spilled_blocks",
     "spill_skipped_admission",
     "spill_failures",
@@ -170,6 +182,7 @@ class TieredStore:
         # Tier changes in order, for routers (PeerService.WatchBlocks).
         self.events = BlockEventLog(config.event_log_keys)
         self.dram.events = self.events
+        self.events.on_removed = self._note_removed
         if self.nvme is not None:
             self.nvme.events = self.events
         self._admission = make_admission_policy(config.nvme_admission)
@@ -192,11 +205,21 @@ class TieredStore:
         # host's own blocks and bounded by a budget.
         self.replicas = ReplicaLedger()
         if self.nvme is not None:
-            self.nvme.evict_first = self.replicas.oldest  # and on NVMe too
+            # and on NVMe too (a bounded batch of them per write batch: the
+            # policy's order takes over after it)
+            self.nvme.evict_first = lambda: self.replicas.oldest(4 * config.demote_batch_blocks)
         self._high_bytes = int(config.dram_high_watermark * self.dram.allocator.capacity_bytes)
         self._low_bytes = int(config.dram_low_watermark * self.dram.allocator.capacity_bytes)
         self._wake = threading.Condition()
         self._closing = False
+        self.hasher: CommitHasher | None = None
+        if config.hash_queue_blocks > 0:
+            self.hasher = CommitHasher(
+                self._hash_committed,
+                workers=self.workers,
+                counters=self.counters,
+                queue_blocks=config.hash_queue_blocks,
+            )
         self._demoter = self.workers.start("tierstore-demoter", self._demote_loop)
         self.write_policy = make_write_policy(config.write_policy, config.write_through_min_tokens)
         self.writer: NvmeWriter | None = None
@@ -257,31 +280,53 @@ class TieredStore:
         fp = self.register_layout(layout)
         nbytes = layout.block_bytes
         self._check_fits(layout)
-        on_nvme = self.nvme.contains(keys) if self.nvme is not None else [False] * len(keys)
-        out = []
-        for key, elsewhere in zip(keys, on_nvme):
-            if elsewhere:
-                out.append(Reservation(key, ReserveStatus.EXISTS))
-                continue
-            status, entry = self.dram.reserve(key, fp, nbytes, owner)
-            if status == ReserveStatus.FULL and self.make_room(nbytes):
-                status, entry = self.dram.reserve(key, fp, nbytes, owner)
-            if (
-                status == ReserveStatus.FULL
-                and self.nvme is not None
-                and self.nvme.contains([key])[0]
-            ):
-                # Spilled meanwhile, by this batch's own reservations: still held.
-                status = ReserveStatus.EXISTS
-            offset = entry.offset if status == ReserveStatus.OK and entry is not None else -1
-            out.append(Reservation(key, status, offset))
-        return out
+        out: list[Reservation | None] = [None] * len(keys)
+        todo: list[int] = []
+        if self.nvme is not None:
+            for i, elsewhere in enumerate(self.nvme.contains(keys)):
+                if elsewhere:
+                    out[i] = Reservation(keys[i], ReserveStatus.EXISTS)
+                else:
+                    todo.append(i)
+        else:
+            todo = list(range(len(keys)))
+        # One DRAM lock per pass, not per key; a pass that runs out of room
+        # evicts once for everything still to reserve, then the rest goes on.
+        while todo:
+            results = self.dram.reserve_many([keys[i] for i in todo], fp, nbytes, owner)
+            for i, (status, entry) in zip(todo, results):
+                if status != ReserveStatus.FULL:
+                    offset = entry.offset if status == ReserveStatus.OK and entry else -1
+                    out[i] = Reservation(keys[i], status, offset)
+            if results[-1][0] != ReserveStatus.FULL:
+                break
+            todo = todo[len(results) - 1 :]
+            if not self.make_room(nbytes, len(todo)):
+                for i in todo:
+                    # Spilled meanwhile, by this batch's own reservations: still held.
+                    held = self.nvme is not None and self.nvme.contains([keys[i]])[0]
+                    out[i] = Reservation(
+                        keys[i], ReserveStatus.EXISTS if held else ReserveStatus.FULL
+                    )
+                break
+        return [r for r in out if r is not None]
 
-    def commit(self, keys: Sequence[BlockKey], owner: int = STORE_OWNER) -> list[bool]:
+    def commit(
+        self,
+        keys: Sequence[BlockKey],
+        owner: int = STORE_OWNER,
+        digests: Sequence[bytes | None] | None = None,
+    ) -> list[bool]:
+        """Make reserved blocks readable. ``digests``: their blake3 digests
+        where the caller verified them already (a peer's frames); the others
+        are hashed once, in the background (``tierstore.store.hasher``)."""
         keys = check_keys(keys)
-        done = self.dram.commit(keys, owner)
+        committed: list[DramEntry] = []
+        done = self.dram.commit(keys, owner, digests=digests, committed=committed)
+        if self.hasher is not None:
+            self.hasher.submit(committed)
         if self.writer is not None:
-            self.writer.offer_committed([k for k, ok in zip(keys, done) if ok])
+            self.writer.offer_committed([e.key for e in committed])
         self.maybe_wake_demoter()
         return done
 
@@ -317,21 +362,21 @@ class TieredStore:
         self.register_layout(layout)
         in_dram = self.dram.contains(keys)
         first_miss = in_dram.index(False) if False in in_dram else len(keys)
-        tiers = [TierName.DRAM] * first_miss
+        codes = bytearray([_DRAM_CODE]) * first_miss
         if first_miss < len(keys) and self.nvme is not None:
             for held_dram, held_nvme in zip(
                 in_dram[first_miss:], self.nvme.contains(keys[first_miss:])
             ):
                 if held_dram:
-                    tiers.append(TierName.DRAM)
+                    codes.append(_DRAM_CODE)
                 elif held_nvme:
-                    tiers.append(TierName.NVME)
+                    codes.append(_NVME_CODE)
                 else:
                     break
         self.counters.add_many(
-            {"lookups": 1, "lookup_keys": len(keys), "lookup_hit_keys": len(tiers)}
+            {"lookups": 1, "lookup_keys": len(keys), "lookup_hit_keys": len(codes)}
         )
-        return LookupResult(len(tiers), tuple(tiers))
+        return LookupResult(len(codes), bytes(codes))
 
     def acquire(
         self, layout: KVLayout, keys: Sequence[BlockKey], owner: int = STORE_OWNER
@@ -390,10 +435,25 @@ class TieredStore:
         return self.dram.release_owner(owner)
 
     def digest(self, entry: DramEntry) -> bytes:
-        """blake3 of a pinned block's bytes, computed once and kept with the entry."""
+        """blake3 of a pinned block's bytes, computed once and kept with the entry
+        (normally by the hasher, right after the commit)."""
         if entry.digest is None:
             entry.digest = block_digest(self.dram.view(entry))
+            self.counters.add("digests_computed")
         return entry.digest
+
+    def _hash_committed(self, entries: list[DramEntry]) -> None:
+        """The hasher's step: hash the blocks still held (freed ones are skipped)."""
+        n = 0
+        for entry, alive in zip(entries, self.dram.alive(entries)):
+            if alive and entry.digest is None:
+                entry.digest = block_digest(self.dram.view(entry))
+                n += 1
+        self.counters.add("digests_computed", n)
+
+    def wait_hashed(self, timeout_s: float) -> bool:
+        """Wait until every block committed so far has its digest (tests, benchmarks)."""
+        return self.hasher.wait_idle(timeout_s) if self.hasher is not None else True
 
     # -- replicas (kv_share) ---------------------------------------------------------
 
@@ -413,13 +473,22 @@ class TieredStore:
         if nbytes > budget_bytes:
             return False
         self._prune_replicas()
-        for key in self.replicas.oldest():
-            if self.replicas.reserve(nbytes, budget_bytes):
-                return True
-            self.drop([key])
-            if not self.held([key])[0]:  # a pinned replica stays, and stays counted
-                self.replicas.discard([key])
-        return self.replicas.reserve(nbytes, budget_bytes)
+        # Oldest first, read a bounded batch at a time (never the whole
+        # ledger); a pinned replica stays (and stays counted), so a batch that
+        # frees nothing ends the search.
+        while not self.replicas.reserve(nbytes, budget_bytes):
+            batch = self.replicas.oldest(self.config.demote_batch_blocks)
+            freed = False
+            for key in batch:
+                self.drop([key])
+                if not self.held([key])[0]:
+                    self.replicas.discard([key])
+                    freed = True
+                    if self.replicas.reserve(nbytes, budget_bytes):
+                        return True
+            if not freed:
+                return False
+        return True
 
     def finish_replica_import(
         self, reserved_bytes: int, layout: KVLayout, keys: Sequence[BlockKey]
@@ -433,8 +502,15 @@ class TieredStore:
             held = [a or b for a, b in zip(held, self.nvme.contains(keys))]
         return held
 
+    def _note_removed(self, keys: Sequence[BlockKey]) -> None:
+        """A tier dropped ``keys`` (under its lock): the ledger only notes them."""
+        if self.replicas:
+            self.replicas.note_removed(keys)
+
     def _prune_replicas(self) -> None:
-        keys = self.replicas.oldest()
+        """Forget the replicas no tier holds any more: only those a tier
+        dropped since the last call are asked about."""
+        keys = self.replicas.take_maybe_gone()
         if keys:
             self.replicas.discard([k for k, h in zip(keys, self.held(keys)) if not h])
 
@@ -453,15 +529,20 @@ class TieredStore:
         keys = check_keys(keys)
         return sum(t.remove(keys) for t in self.tiers() if t.name in tiers)
 
-    def make_room(self, nbytes: int) -> bool:
-        """Evict synchronously until a slot of ``nbytes`` fits. False if it cannot."""
+    def make_room(self, nbytes: int, count: int = 1) -> bool:
+        """Evict synchronously until a slot of ``nbytes`` fits, evicting room
+        for up to ``count`` such slots in the first batch (a caller with many
+        blocks to place evicts once, not once per block). False if no slot fits."""
         if nbytes > self.dram.allocator.capacity_bytes:
             return False  # would never fit: evict nothing
         with self._evict_lock:
-            while not self.dram.can_fit(nbytes):
-                victims = self._take_victims(nbytes)
+            free_bytes = self.dram.allocator.capacity_bytes - self.dram.used_bytes()
+            want = nbytes * max(1, count) - free_bytes
+            while want > 0 or not self.dram.can_fit(nbytes):
+                victims = self._take_victims(max(want, nbytes))
                 if not victims:
-                    return False
+                    return self.dram.can_fit(nbytes)
+                want -= sum(v.nbytes for v in victims)
                 self._spill(victims)
             return True
 
@@ -475,12 +556,10 @@ class TieredStore:
                     continue
                 victims.append(victim)
                 freed += victim.nbytes
-        while freed < want_bytes and len(victims) < self.config.demote_batch_blocks:
-            taken = self.dram.take_victim()
-            if taken is None:
-                break
-            victims.append(taken)
-            freed += taken.nbytes
+        if freed < want_bytes and len(victims) < self.config.demote_batch_blocks:
+            victims += self.dram.take_victims(
+                want_bytes - freed, self.config.demote_batch_blocks - len(victims)
+            )
         return victims
 
     def _spill(self, victims: list[DramEntry]) -> int:
@@ -503,9 +582,11 @@ class TieredStore:
             if skipped:
                 self.counters.add("spill_skipped_admission", skipped)
             if to_write:
+                # The digest travels with the block: computed now only if the
+                # hasher has not reached it yet (still once: it stays with the entry).
                 ok = self.nvme.write_many(
                     [(v.key, v.layout_fp, self.dram.view(v)) for v in to_write],
-                    digests=[v.digest for v in to_write],
+                    digests=[self.digest(v) for v in to_write],
                 )
                 written = sum(ok)
                 self.counters.add_many(
@@ -521,9 +602,7 @@ class TieredStore:
                     )
         if self.remote is not None:  # remote tier: write back what leaves DRAM
             self._offer_remote(victims)
-        dropped = 0
-        for victim in victims:
-            dropped += self.dram.drop(victim)
+        dropped = self.dram.drop_many(victims)
         self.counters.add("dropped_blocks", dropped)
         return dropped
 
@@ -538,6 +617,8 @@ class TieredStore:
                 if digest is None and self.nvme is not None:
                     meta = self.nvme.meta(v.key)
                     digest = meta.digest if meta is not None else None
+                if digest is None:  # hash once: kept with the block from now on
+                    digest = self.digest(v)
                 remote.offer(v.layout_fp, v.key, self.dram.view(v), digest)
 
     def _remote_source(self, layout: KVLayout, key: BlockKey, out: memoryview) -> bytes | None:
@@ -723,6 +804,8 @@ class TieredStore:
             self.writer.close()
         if self.remote is not None:  # remote tier: its writer still reads DRAM and NVMe
             self.remote.close()
+        if self.hasher is not None:
+            self.hasher.close()
         self.promoter.close()
         with self._evict_lock:
             if self.nvme is not None:

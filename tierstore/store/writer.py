@@ -274,6 +274,13 @@ def write_entries(dram: DramTier, nvme: NvmeTier, entries: list[DramEntry]) -> t
     ok = nvme.write_many(
         [(e.key, e.layout_fp, dram.view(e)) for e in entries], digests=[e.digest for e in entries]
     )
+    for e, done in zip(entries, ok):
+        if done and e.digest is None:
+            # Hashed by the NVMe write (beside its pwrite): the digest travels
+            # back to the pinned DRAM block, so nothing hashes it again.
+            meta = nvme.meta(e.key)
+            if meta is not None and meta.digest:
+                e.digest = meta.digest
     nbytes = sum(e.nbytes for e, done in zip(entries, ok) if done)
     written = sum(ok)
     return written, len(ok) - written, nbytes

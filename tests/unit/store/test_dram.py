@@ -80,7 +80,22 @@ def test_pin_during_eviction_keeps_the_block(dram: DramTier) -> None:
     dram.pin([victim.key], owner=9)
     assert not dram.drop(victim)
     assert dram.contains([victim.key]) == [True]
-    assert victim.key in dram.policy
+    assert victim.key not in dram.policy  # pinned: out of eviction's way
+    dram.unpin([victim.key], owner=9)
+    assert victim.key in dram.policy  # back at its last unpin
+
+
+def test_pinned_blocks_are_not_walked_by_eviction(dram: DramTier) -> None:
+    for i in range(4):
+        dram.reserve(k(i), FP, BLOCK)
+        dram.commit([k(i)])
+    dram.pin([k(0), k(1)], owner=3)
+    assert len(dram.policy) == 2  # only unpinned blocks are candidates
+    victim = dram.take_victim()
+    assert victim is not None and victim.key == k(2)
+    assert dram.pin_count(3) == 2
+    assert dram.release_owner(3) == (0, 2)
+    assert len(dram.policy) == 3 and dram.stats().num_blocks == 4
 
 
 def test_release_owner_frees_pins_and_reservations(dram: DramTier) -> None:
