@@ -7,14 +7,23 @@ held prefix. The sender pins a few blocks at a time (promoting them from NVMe
 as it goes, one chunk ahead of the socket) and sends straight from the arena:
 no copy in user space.
 
+The sender never hashes: every block carries the digest computed once after
+its commit (``tierstore.store.hasher``) or verified when it came up from NVMe;
+only a block the hasher has not reached yet is hashed here (counted in
+``send_hashes``).
+
 ``receive_blocks`` (receiving side) reads frames into reserved arena slots
-(``recv_into``: no copy), verifies blake3 in a worker thread while the next
-block arrives, and commits each verified block in order. A bad digest, a
+(``recv_into``: no copy), verifies blake3 on a ``Verifier`` (one pool per
+process, one thread per core: blocks are verified in parallel while the next
+ones arrive), and commits each verified block in order, with its digest (the
+receiving store does not hash it again). A bad digest, a
 wrong key, an oversize length, a closed socket or a passed deadline ends the
 transfer: what was verified is kept, the rest is a miss.
 
 Threads: one accept thread, one thread per transfer (at most
-``max_transfers``; more connections are closed at once).
+``max_transfers``; more connections are closed at once), a read-ahead pool of
+``max_transfers`` threads shared by the transfers, and the receiving side's
+``Verifier`` pool.
 """
 
 from __future__ import annotations
@@ -47,7 +56,6 @@ log = logging.getLogger(__name__)
 SEND_CHUNK_BLOCKS = 8
 HANDSHAKE_TIMEOUT_S = 2.0  # a connection must present its ticket this fast
 MAX_HANDSHAKES = 64  # connections waiting to present a ticket; more are closed
-VERIFY_THREADS = 2  # single-threaded blake3 workers per transfer (faster than AUTO here)
 TRANSFER_OWNER_BASE = 1 << 48  # owner ids of transfers, apart from engine clients
 _owner_ids = itertools.count(TRANSFER_OWNER_BASE)
 
@@ -71,7 +79,23 @@ SEND_COUNTERS = (
     "bad_tickets",
     "refused_busy",
     "send_errors",
+    "send_hashes",  # blocks the sender had to hash (no digest yet): 0 when hashing keeps up
 )
+
+
+class Verifier:
+    """blake3 verification of received blocks on one thread per core,
+    shared by every transfer of the process (no pool per transfer)."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tierstore-verify")
+
+    def submit(self, view: memoryview, digest: bytes) -> Future[bool]:
+        return self._pool.submit(_matches, view, digest)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 class DataServer:
@@ -95,6 +119,8 @@ class DataServer:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_transfers)
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        # One read-ahead per sending transfer at a time: max_transfers threads never wait.
+        self._ahead = ThreadPoolExecutor(max_transfers, thread_name_prefix="tierstore-data-read")
         self._closing = False
         self._accept_thread = store.workers.start("tierstore-data-accept", self._accept_loop)
 
@@ -166,50 +192,58 @@ class DataServer:
                 self._slots.release()
 
     def _pin_chunk(self, layout: KVLayout, chunk: list[BlockKey], owner: int) -> list[Any]:
-        """Pin (promoting from NVMe) and hash a chunk: runs one chunk ahead of
-        the socket, so neither the NVMe read nor blake3 holds up ``sendall``."""
+        """Pin a chunk (promoting from NVMe): runs one chunk ahead of the
+        socket, so the NVMe read does not hold up ``sendall``. A block
+        without a digest yet (the hasher behind) is hashed here, once."""
         entries = self.store.acquire(layout, chunk, owner)
-        for entry in entries:
+        late = [e for e in entries if e.digest is None]
+        for entry in late:
             self.store.digest(entry)
+        if late:
+            self.counters.add("send_hashes", len(late))
         return entries
 
     def _send(self, conn: socket.socket, transfer: _Transfer, deadline: float) -> None:
         owner = next(_owner_ids)
         layout, keys = transfer.layout, transfer.keys
         chunks = [keys[i : i + SEND_CHUNK_BLOCKS] for i in range(0, len(keys), SEND_CHUNK_BLOCKS)]
+        ahead = self._ahead
+        pending: Future | None = (
+            ahead.submit(self._pin_chunk, layout, chunks[0], owner) if chunks else None
+        )
         try:
-            with ThreadPoolExecutor(1, thread_name_prefix="tierstore-data-read") as ahead:
-                pending: Future | None = (
-                    ahead.submit(self._pin_chunk, layout, chunks[0], owner) if chunks else None
+            for i, chunk in enumerate(chunks):
+                assert pending is not None
+                entries = pending.result()
+                pending = (
+                    ahead.submit(self._pin_chunk, layout, chunks[i + 1], owner)
+                    if i + 1 < len(chunks) and len(entries) == len(chunk)
+                    else None
                 )
-                for i, chunk in enumerate(chunks):
-                    assert pending is not None
-                    entries = pending.result()
-                    pending = (
-                        ahead.submit(self._pin_chunk, layout, chunks[i + 1], owner)
-                        if i + 1 < len(chunks) and len(entries) == len(chunk)
-                        else None
-                    )
-                    try:
-                        for entry in entries:
-                            view = self.store.view(entry)
-                            payload = codec.compress(view, layout) if transfer.compress else None
-                            flags = codec.FLAG_ZSTD_BYTESPLIT if payload is not None else 0
-                            body = payload if payload is not None else view
-                            header = codec.FRAME.pack(
-                                entry.key, self.store.digest(entry), len(body), entry.nbytes, flags
-                            )
-                            send_all(conn, [header, body], deadline)
-                            self.counters.add("blocks_sent")
-                            self.counters.add("bytes_sent", len(body))
-                    finally:
-                        self.store.release([e.key for e in entries], owner)
-                    if len(entries) < len(chunk):
-                        break  # a block left this host meanwhile: the prefix ends here
+                try:
+                    sent = 0
+                    for entry in entries:
+                        view = self.store.view(entry)
+                        payload = codec.compress(view, layout) if transfer.compress else None
+                        flags = codec.FLAG_ZSTD_BYTESPLIT if payload is not None else 0
+                        body = payload if payload is not None else view
+                        header = codec.FRAME.pack(
+                            entry.key, entry.digest, len(body), entry.nbytes, flags
+                        )
+                        send_all(conn, [header, body], deadline)
+                        sent += len(body)
+                    self.counters.add_many({"blocks_sent": len(entries), "bytes_sent": sent})
+                finally:
+                    self.store.release([e.key for e in entries], owner)
+                if len(entries) < len(chunk):
+                    break  # a block left this host meanwhile: the prefix ends here
         finally:
-            # The executor has joined, so no acquire of this transfer still
-            # runs: drop every pin it holds (the read-ahead chunk after an
+            # Wait for the read-ahead, so no acquire of this transfer still
+            # runs: then drop every pin it holds (the read-ahead chunk after an
             # error or a gap too).
+            if pending is not None:
+                with contextlib.suppress(Exception):  # its error, if any, is not ours to raise
+                    pending.result()
             self.store.release_owner(owner)
         send_all(conn, [codec.end_frame()], deadline)
 
@@ -219,6 +253,7 @@ class DataServer:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
         self._sock.close()
         self._accept_thread.join(timeout=5)
+        self._ahead.shutdown(wait=True)
 
 
 def send_all(conn: socket.socket, parts: list[Any], deadline: float) -> None:
@@ -270,15 +305,17 @@ def receive_blocks(
     layout: KVLayout,
     keys: Sequence[BlockKey],
     deadline: float,
+    verifier: Verifier,
 ) -> ReceiveResult:
-    """Read frames for ``keys`` (in order) into reserved slots, verify, commit.
-    Blocks the store already holds are read and discarded. See module docstring."""
+    """Read frames for ``keys`` (in order) into reserved slots, verify on
+    ``verifier``, commit with their digests. Blocks the store already holds
+    are read and discarded. See module docstring."""
     owner = next(_owner_ids)
     result = ReceiveResult()
     reservations = {r.key: r for r in store.reserve(layout, keys, owner)}
     size = layout.block_bytes
     scratch = memoryview(bytearray(size))
-    pending: deque[tuple[BlockKey, Future[bool]]] = deque()
+    pending: deque[tuple[BlockKey, bytes, Future[bool]]] = deque()
     committed: list[BlockKey] = []
     failed = False
 
@@ -287,57 +324,58 @@ def receive_blocks(
         are resident while the rest still arrives."""
         nonlocal failed
         ready: list[BlockKey] = []
-        while pending and not failed and (wait or pending[0][1].done()):
-            key, ok = pending.popleft()
-            if ok.result():
+        digests: list[bytes | None] = []
+        while pending and (wait or pending[0][2].done()):
+            key, digest, ok = pending.popleft()
+            if ok.result() and not failed:
                 ready.append(key)
-            else:
+                digests.append(digest)
+            elif not failed:
                 result.verify_failures += 1
                 failed = True
         if ready:
-            store.commit(ready, owner)
+            store.commit(ready, owner, digests=digests)
             committed.extend(ready)
 
     header = bytearray(codec.FRAME.size)
-    with ThreadPoolExecutor(VERIFY_THREADS, thread_name_prefix="tierstore-verify") as verifier:
-        try:
-            for key in keys:
-                if failed:
-                    break
-                recv_into_exact(conn, memoryview(header), deadline)
-                got_key, digest, payload_bytes, block_bytes, flags = codec.FRAME.unpack(header)
-                if flags & codec.FLAG_END:
-                    break  # the sender holds no more of the prefix
-                if got_key != key or block_bytes != size or payload_bytes > size:
-                    raise TransferError(
-                        f"bad frame: key {'ok' if got_key == key else 'unexpected'}, "
-                        f"block {block_bytes} (want {size}), payload {payload_bytes}"
-                    )
-                res = reservations.get(key)
-                slot = (
-                    store.reserved_view(res, size)
-                    if res is not None and res.status == ReserveStatus.OK
-                    else scratch
+    try:
+        for key in keys:
+            if failed:
+                break
+            recv_into_exact(conn, memoryview(header), deadline)
+            got_key, digest, payload_bytes, block_bytes, flags = codec.FRAME.unpack(header)
+            if flags & codec.FLAG_END:
+                break  # the sender holds no more of the prefix
+            if got_key != key or block_bytes != size or payload_bytes > size:
+                raise TransferError(
+                    f"bad frame: key {'ok' if got_key == key else 'unexpected'}, "
+                    f"block {block_bytes} (want {size}), payload {payload_bytes}"
                 )
-                if flags & codec.FLAG_ZSTD_BYTESPLIT:
-                    payload = memoryview(bytearray(payload_bytes))
-                    recv_into_exact(conn, payload, deadline)
-                    try:
-                        codec.decompress_into(payload, slot)
-                    except ValueError as e:  # the codec's one error for a bad payload
-                        raise TransferError(f"bad compressed payload: {e}") from e
-                elif payload_bytes != size:
-                    raise TransferError(f"raw payload of {payload_bytes} bytes, want {size}")
-                else:
-                    recv_into_exact(conn, slot, deadline)
-                result.bytes += payload_bytes
-                result.last_byte_at = time.monotonic()
-                if slot is not scratch:  # held already or no room: not ours to keep
-                    pending.append((key, verifier.submit(_matches, slot, digest)))
-                settle(wait=False)
-        except (OSError, TransferError) as e:
-            result.error = str(e)
-        settle(wait=True)
+            res = reservations.get(key)
+            slot = (
+                store.reserved_view(res, size)
+                if res is not None and res.status == ReserveStatus.OK
+                else scratch
+            )
+            if flags & codec.FLAG_ZSTD_BYTESPLIT:
+                payload = memoryview(bytearray(payload_bytes))
+                recv_into_exact(conn, payload, deadline)
+                try:
+                    codec.decompress_into(payload, slot)
+                except ValueError as e:  # the codec's one error for a bad payload
+                    raise TransferError(f"bad compressed payload: {e}") from e
+            elif payload_bytes != size:
+                raise TransferError(f"raw payload of {payload_bytes} bytes, want {size}")
+            else:
+                recv_into_exact(conn, slot, deadline)
+            result.bytes += payload_bytes
+            result.last_byte_at = time.monotonic()
+            if slot is not scratch:  # held already or no room: not ours to keep
+                pending.append((key, digest, verifier.submit(slot, digest)))
+            settle(wait=False)
+    except (OSError, TransferError) as e:
+        result.error = str(e)
+    settle(wait=True)  # every verification done: no slot is read after the abort
     done = set(committed)
     store.abort([k for k in keys if k not in done], owner)
     result.received = len(committed)

@@ -86,7 +86,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
         res = self.store.lookup(layout, keys)
         return peer_pb2.PeerLookupReply(
             num_hits=res.num_hits,
-            tiers=bytes(TIER_CODES[t] for t in res.tiers),
+            tiers=res.codes,
             load=host_load_proto(self.loads.host()),
             nvme_read_bytes_per_s=self.store.nvme_read_bytes_per_s(),
             peer_fetch_bytes_per_s=self.tier.fetch_bytes_per_s(),

@@ -32,7 +32,7 @@ from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.peer import codec
 from tierstore.peer.client import PeerClient
-from tierstore.peer.data import ReceiveResult, receive_blocks
+from tierstore.peer.data import ReceiveResult, Verifier, receive_blocks
 from tierstore.peer.membership import MemberSet, PeerClients, StaticMembers
 from tierstore.policies import rendezvous_target
 from tierstore.ratelog import RateLimitedLog
@@ -110,6 +110,7 @@ class PeerTier:
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, tuple[KVLayout, list[BlockKey]]] = OrderedDict()
         self._codec_bytes_per_s = _measure_codec()
+        self.verifier = Verifier()  # received blocks are verified on every core
         self._pushes: queue.Queue[_Push | None] = queue.Queue(maxsize=cfg.replicate_queue_max)
         # Several workers: one slow or dead target must not hold up the pushes
         # to the others.
@@ -200,7 +201,9 @@ class PeerTier:
         if conn is None:
             return ReceiveResult()
         try:
-            result = receive_blocks(conn, self.store, layout, keys[:num_blocks], deadline)
+            result = receive_blocks(
+                conn, self.store, layout, keys[:num_blocks], deadline, self.verifier
+            )
         finally:
             conn.close()
         # Only large raw transfers say how fast the link is: a small one is
@@ -352,6 +355,7 @@ class PeerTier:
         for t in self._replicators:
             t.join(timeout=self.cfg.replicate_timeout_s + 5)
         self._peers.close()
+        self.verifier.close()
 
 
 def _timed_out(e: BaseException | None, deadline: float) -> bool:
