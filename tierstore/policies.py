@@ -17,6 +17,10 @@ Provides:
 - ``RemotePlacement`` (which blocks go to the remote tier: DRAM/NVMe victims
   written back, long turns written through) and ``remote_gc_victims``
   (which objects a byte budget deletes: least recently used first).
+- ``ReplicationPolicy`` protocol with ``KvShareRule`` (replicate turns of at
+  least ``min_tokens``) and ``HeadroomRule`` (also shorter turns while the
+  link and the target's replica budget have headroom; ``min_tokens`` stays
+  the floor under pressure); ``make_replication_policy`` by config name.
 
 The tier that owns a policy serialises every call (its own lock). ``evict``
 is atomic: it returns a victim that is removed from the policy, or None and
@@ -405,3 +409,67 @@ def remote_gc_victims(
         victims.append(obj)
         total -= obj.size
     return victims
+@dataclass(frozen=True, slots=True)
+class ReplicaRequest:
+    """What a replication policy is shown about one push (all measured now
+    by the sending host; nothing remembered beyond what is listed)."""
+
+    num_tokens: int  # tokens of the session's context so far
+    push_bytes: int  # bytes this push would send at most (its blocks)
+    link_bytes_per_s: float  # measured rate of the link to the target (0: not measured)
+    backlog_bytes: int  # replica bytes queued or in flight to any target now
+    target_rejected: bool  # the target's last reply rejected blocks (its budget is full)
+
+
+class ReplicationPolicy(Protocol):
+    """Decides whether a session's blocks are replicated to its spill host."""
+
+    def replicate(self, request: ReplicaRequest) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KvShareRule:
+    """kv_share's rule: turns of at least ``min_tokens``, whatever the link."""
+
+    min_tokens: int
+
+    def replicate(self, request: ReplicaRequest) -> bool:
+        return request.num_tokens >= self.min_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class HeadroomRule:
+    """Replicate what the link can carry: turns of at least ``min_tokens``
+    always (the floor), shorter ones too while the push backlog including
+    this push drains within ``headroom_s`` at the measured link rate (or
+    ``default_link_bytes_per_s`` before a measurement) and the target's
+    budget did not just reject blocks."""
+
+    min_tokens: int
+    headroom_s: float
+    default_link_bytes_per_s: float
+
+    def replicate(self, request: ReplicaRequest) -> bool:
+        if request.num_tokens >= self.min_tokens:
+            return True
+        if request.target_rejected:
+            return False
+        rate = request.link_bytes_per_s or self.default_link_bytes_per_s
+        if rate <= 0:
+            return False
+        return (request.backlog_bytes + request.push_bytes) / rate <= self.headroom_s
+
+
+REPLICATION_POLICIES = ("headroom", "kv_share")
+
+
+def make_replication_policy(
+    name: str, min_tokens: int, headroom_s: float, default_link_bytes_per_s: float
+) -> ReplicationPolicy:
+    if name == "kv_share":
+        return KvShareRule(min_tokens)
+    if name == "headroom":
+        return HeadroomRule(min_tokens, headroom_s, default_link_bytes_per_s)
+    raise ConfigError(
+        f"unknown replication policy {name!r}; choose one of {list(REPLICATION_POLICIES)}"
+    )
