@@ -180,7 +180,15 @@ class PeerConfig:
     tls_cert_file: str = ""  # PEM certificate: TLS on the peer port and data channel
     tls_key_file: str = ""  # PEM key of tls_cert_file
     tls_ca_file: str = ""  # PEM CA: verify peers (and, serving, require client certs: mTLS)
-    min_tokens: int = 8192  # turns shorter than this are not replicated
+    min_tokens: int = 8192  # turns this long are always replicated (the floor under pressure)
+    replicate_policy: str = "headroom"  # headroom | kv_share (only turns of min_tokens)
+    replicate_headroom_s: float = (
+        1.0  # headroom: shorter turns while the push backlog drains this fast
+    )
+    link_bytes_per_s: float = 125e6  # link rate assumed to a peer before one is measured
+    stream_replicas: bool = True  # push a session's blocks to its spill host as they are committed
+    stream_link_share: float = 0.5  # share of the link the streamed pushes may use
+    stream_max_bytes: int = 256 << 20  # streamed bytes queued or in flight; more wait for end_turn
     replica_bytes: int = 4 << 30  # space given to other hosts' replicas (alias: max_gib, in GiB)
     peer_lookup_timeout_s: float = 0.5  # deadline of a lookup across the group
     fetch_timeout_s: float = 30.0  # deadline of one transfer
@@ -210,6 +218,14 @@ class PeerConfig:
             raise ConfigError("tls_cert_file and tls_key_file must be set together")
         if self.replica_bytes < 0:
             raise ConfigError(f"replica_bytes must be >= 0, got {self.replica_bytes}")
+        if self.replicate_policy not in ("headroom", "kv_share"):
+            raise ConfigError(
+                f"replicate_policy must be headroom or kv_share, got {self.replicate_policy!r}"
+            )
+        if not 0.0 < self.stream_link_share <= 1.0:
+            raise ConfigError(f"stream_link_share must be in (0, 1], got {self.stream_link_share}")
+        if self.stream_max_bytes < 0:
+            raise ConfigError(f"stream_max_bytes must be >= 0, got {self.stream_max_bytes}")
         for name in (
             "min_tokens",
             "max_transfers",
@@ -227,6 +243,8 @@ class PeerConfig:
             "watch_heartbeat_s",
             "membership_timeout_s",
             "membership_refresh_s",
+            "replicate_headroom_s",
+            "link_bytes_per_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

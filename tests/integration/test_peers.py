@@ -205,10 +205,13 @@ class Trio:
         self.addrs = [addr(p) for p in self.ports]
         self.procs: list[SidecarProcess] = []
         budget = f"replica_bytes={REPLICA_BUDGET_BLOCKS * BLOCK}"
+        rule = "replicate_policy=kv_share"  # these tests pin kv_share's min_tokens rule
         try:
             for i, name in enumerate("abc"):
                 others = [p for j, p in enumerate(self.ports) if j != i]
-                self.procs.append(start(root / name, self.ports[i], others, "--set", budget))
+                self.procs.append(
+                    start(root / name, self.ports[i], others, "--set", budget, "--set", rule)
+                )
         except BaseException:
             stop_all(*self.procs)
             raise

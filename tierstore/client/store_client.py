@@ -235,15 +235,19 @@ class StoreClient:
         blocks: Any,
         *,
         write_through: bool = False,
+        session: str = "",
     ) -> list[bool]:
         """Store full blocks. With an HBM tier they go to the device pool (and
         to the sidecar only when evicted, or now with ``write_through``);
-        without one, straight to the sidecar. Returns whether each is held."""
+        without one, straight to the sidecar. Returns whether each is held.
+        ``session``: the blocks belong to this session's running turn; the
+        sidecar streams those it receives now to the session's spill host
+        (blocks written down later, from HBM, wait for ``end_turn``)."""
         keys = check_keys(keys)
         rows = as_block_rows(layout, len(keys), blocks)
         self.register(layout)  # HBM victims are written down under their layout later
         if self.hbm is None:
-            return self._write_down(layout, keys, rows)
+            return self._write_down(layout, keys, rows, session)
         held = [True] * len(keys)
         with self._hbm_lock:
             in_hbm = self.hbm.contains(keys)
@@ -256,7 +260,7 @@ class StoreClient:
                     continue
                 self._copier.copy(slot, row)
         if write_through:
-            down = self._write_down(layout, keys, rows)
+            down = self._write_down(layout, keys, rows, session)
             held = [a or b for a, b in zip(held, down)]
         self._copier.sync()
         return held
@@ -287,7 +291,7 @@ class StoreClient:
         self.hbm.free(victims)
 
     def _write_down(
-        self, layout: KVLayout, keys: list[BlockKey], rows: list[torch.Tensor]
+        self, layout: KVLayout, keys: list[BlockKey], rows: list[torch.Tensor], session: str = ""
     ) -> list[bool]:
         """Reserve arena slots, copy, commit: two control calls per batch."""
         held: list[bool] = []
@@ -304,7 +308,9 @@ class StoreClient:
                 held.append(status != local_pb2.RESERVE_FULL)
             if ok:
                 self._copier.sync()
-                self._call(self._stub.Commit, self._req(layout, ok), "commit")
+                req = self._req(layout, ok)
+                req.session = session
+                self._call(self._stub.Commit, req, "commit")
         return held
 
     def reserve(self, layout: KVLayout, keys: Sequence[BlockKey]) -> Reserved:

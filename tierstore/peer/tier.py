@@ -5,13 +5,19 @@ Provides:
   channel, replicate), every call authenticated and under a deadline;
 - ``PeerTier``: the group. ``lookup`` asks every peer at once and takes the
   longest continuation that answers in time; ``pull`` fetches blocks missing
-  here from the peer that holds them; ``end_turn`` remembers a session's keys
-  and queues its replica push (kv_share) to the session's spill host;
-  ``import_replica`` is the receiving side of a push.
+  here from the peer that holds them; ``stream`` hands the blocks a session's
+  running turn commits to the ``ReplicaStreamer`` (``tierstore.peer.stream``),
+  which pushes them to the session's spill host as they come; ``end_turn``
+  remembers a session's keys and queues the push of what is left;
+  ``import_replica`` is the receiving side of a push. Whether a session is
+  replicated is the replication policy's decision (``tierstore.policies``:
+  kv_share's ``min_tokens`` rule, or that rule as the floor with shorter
+  turns replicated while the link and the target's budget have headroom).
 
 Runs in the sidecar: lookups and pulls on RPC threads, pushes on the
-``tierstore-replicator`` thread. A timeout, refusal or error of a peer is a
-miss, counted, never an exception to the engine.
+``tierstore-replicator`` threads and the ``tierstore-streamer`` thread. A
+timeout, refusal or error of a peer is a miss, counted, never an exception
+to the engine.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from tierstore.peer import codec
 from tierstore.peer.client import PeerClient
 from tierstore.peer.data import ReceiveResult, Verifier, receive_blocks
 from tierstore.peer.membership import MemberSet, PeerClients, StaticMembers
-from tierstore.policies import rendezvous_target
+from tierstore.peer.stream import STREAM_COUNTERS, ReplicaStreamer
+from tierstore.policies import ReplicaRequest, make_replication_policy, rendezvous_target
 from tierstore.ratelog import RateLimitedLog
 from tierstore.store.tiered import TieredStore
 from tierstore.v1 import peer_pb2
@@ -64,6 +71,8 @@ PEER_COUNTERS = (
     "pushed_blocks",
     "push_errors",
     "pushes_dropped",
+    "pushes_skipped",  # turns the replication policy did not replicate (link or budget pressure)
+    *STREAM_COUNTERS,
     "replicas_imported",
     "replicas_rejected",
     "watchers",  # routers' WatchBlocks streams open now
@@ -81,6 +90,7 @@ class _Push:
     layout: KVLayout
     keys: list[BlockKey]
     target: str
+    backlog_bytes: int  # counted in the policy's backlog until the push ends
     done: threading.Event = field(default_factory=threading.Event)
     reply: Any = None
 
@@ -109,6 +119,12 @@ class PeerTier:
         )
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, tuple[KVLayout, list[BlockKey]]] = OrderedDict()
+        self._targets: OrderedDict[str, str] = OrderedDict()  # session -> last push target
+        self._rejected: dict[str, bool] = {}  # target -> its last reply rejected blocks
+        self._push_backlog_bytes = 0  # bytes of end_turn pushes queued or running
+        self.policy = make_replication_policy(
+            cfg.replicate_policy, cfg.min_tokens, cfg.replicate_headroom_s, cfg.link_bytes_per_s
+        )
         self._codec_bytes_per_s = _measure_codec()
         self.verifier = Verifier()  # received blocks are verified on every core
         self._pushes: queue.Queue[_Push | None] = queue.Queue(maxsize=cfg.replicate_queue_max)
@@ -118,6 +134,15 @@ class PeerTier:
             store.workers.start(f"tierstore-replicator-{i}", self._replicate_loop)
             for i in range(REPLICATOR_THREADS)
         ]
+        self.streamer = ReplicaStreamer(
+            self._stream_push,
+            self.link_bytes_per_s,
+            workers=store.workers,
+            counters=self.counters,
+            max_bytes=cfg.stream_max_bytes,
+            link_share=cfg.stream_link_share,
+            max_sessions=MAX_SESSIONS,
+        )
 
     @property
     def clients(self) -> dict[str, PeerClient]:
@@ -225,6 +250,66 @@ class PeerTier:
 
     # -- kv_share: the sending side ---------------------------------------------------
 
+    def link_bytes_per_s(self, target: str) -> float:
+        """The link rate to ``target``: measured, or the configured default."""
+        client = self.clients.get(target)
+        measured = client.link.bytes_per_s if client is not None else 0.0
+        return measured or self.cfg.link_bytes_per_s
+
+    def _decide(self, target: str, num_tokens: int, push_bytes: int) -> bool:
+        with self._lock:
+            backlog = self._push_backlog_bytes
+            rejected = self._rejected.get(target, False)
+        request = ReplicaRequest(
+            num_tokens=num_tokens,
+            push_bytes=push_bytes,
+            link_bytes_per_s=self.link_bytes_per_s(target),
+            backlog_bytes=backlog + self.streamer.backlog_bytes(),
+            target_rejected=rejected,
+        )
+        return self.policy.replicate(request)
+
+    def _target(self, session: str) -> str | None:
+        with self._lock:
+            target = self._targets.get(session)
+        return target if target is not None else self.spill_target(session)
+
+    def stream(self, session: str, layout: KVLayout, keys: list[BlockKey]) -> None:
+        """Blocks just committed for ``session``'s running turn: streamed to
+        its spill host (the last turn's push target) if the policy agrees."""
+        if not self.cfg.stream_replicas or not keys:
+            return
+        target = self._target(session)
+        if target is None or target not in self.clients:
+            return
+        with self._lock:
+            prev = self._sessions.get(session)
+        before = len(prev[1]) if prev is not None and prev[0] == layout else 0
+        context_blocks = before + self.streamer.offered_blocks(session) + len(keys)
+        ok = self._decide(
+            target, context_blocks * layout.block_tokens, len(keys) * layout.block_bytes
+        )
+        self.streamer.offer(session, target, layout, keys, ok)
+
+    def _stream_push(
+        self, target: str, layout: KVLayout, keys: list[BlockKey], session: str
+    ) -> int | None:
+        client = self.clients.get(target)
+        if client is None:
+            return None
+        try:
+            reply = client.replicate(
+                layout, keys, self.address, session, self.cfg.replicate_timeout_s
+            )
+        except grpc.RpcError as e:
+            _faults.warning(
+                f"stream:{target}", "streamed push to %s failed: %s", target, _rpc_text(e)
+            )
+            return None
+        with self._lock:
+            self._rejected[target] = reply.rejected > 0
+        return int(reply.imported)
+
     def end_turn(
         self,
         session: str,
@@ -234,19 +319,38 @@ class PeerTier:
         wait: bool,
         target: str | None,
     ) -> _Push | None:
-        """Remember the session's keys and queue its replica push to ``target``
-        (a router's choice or the rendezvous spill host; None: no push)."""
+        """Remember the session's keys and queue the push of what its
+        replica on ``target`` (a router's choice or the rendezvous spill
+        host; None: no push) still lacks, if the replication policy agrees.
+        Blocks streamed during the turn are held there already: the target
+        fetches only the rest."""
+        self.streamer.finish(session)
         with self._lock:
+            prev = self._sessions.get(session)
             self._sessions[session] = (layout, keys)
             self._sessions.move_to_end(session)
             while len(self._sessions) > MAX_SESSIONS:
                 self._sessions.popitem(last=False)
-        if target is None or num_tokens < self.cfg.min_tokens or not keys:
+            if target is not None:
+                self._targets[session] = target
+                self._targets.move_to_end(session)
+                while len(self._targets) > MAX_SESSIONS:
+                    self._targets.popitem(last=False)
+        if target is None or not keys:
             return None
-        push = _Push(session, layout, keys, target)
+        shared = _shared_prefix(prev[1], keys) if prev is not None and prev[0] == layout else 0
+        push_bytes = (len(keys) - shared) * layout.block_bytes
+        if not self._decide(target, num_tokens, push_bytes):
+            self.counters.add("pushes_skipped")
+            return None
+        push = _Push(session, layout, keys, target, push_bytes)
+        with self._lock:
+            self._push_backlog_bytes += push_bytes
         try:
             self._pushes.put_nowait(push)
         except queue.Full:
+            with self._lock:
+                self._push_backlog_bytes -= push_bytes
             self.counters.add("pushes_dropped")
             return None
         if wait:
@@ -269,6 +373,8 @@ class PeerTier:
             try:
                 self._push(push)
             finally:
+                with self._lock:
+                    self._push_backlog_bytes -= push.backlog_bytes
                 push.done.set()
 
     def _push(self, push: _Push) -> None:
@@ -290,6 +396,8 @@ class PeerTier:
                 _rpc_text(e),
             )
             return
+        with self._lock:
+            self._rejected[push.target] = push.reply.rejected > 0
         self.counters.add("pushed_blocks", push.reply.imported)
 
     # -- kv_share: the receiving side ---------------------------------------------------
@@ -345,6 +453,7 @@ class PeerTier:
         return reply
 
     def close(self) -> None:
+        self.streamer.close()
         while True:  # queued pushes are dropped: the process is going away
             try:
                 self._pushes.get_nowait()
@@ -356,6 +465,16 @@ class PeerTier:
             t.join(timeout=self.cfg.replicate_timeout_s + 5)
         self._peers.close()
         self.verifier.close()
+
+
+def _shared_prefix(a: Sequence[BlockKey], b: Sequence[BlockKey]) -> int:
+    """Length of the common prefix of two key chains."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _timed_out(e: BaseException | None, deadline: float) -> bool:

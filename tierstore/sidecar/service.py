@@ -274,7 +274,9 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
     def Commit(
         self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
     ) -> local_pb2.FlagsReply:
-        owner, _, keys = self._request(request)
+        owner, layout, keys = self._request(request)
+        if len(request.session) > 256:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "session must be 0-256 characters")
         not_owned = self.store.not_reserved_by(keys, owner)
         if not_owned:
             raise BadRequest(
@@ -283,6 +285,9 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
                 f"(first: {not_owned[0].hex()[:16]}...); nothing was committed",
             )
         flags = self.store.commit(keys, owner)
+        if request.session and self.peers is not None:
+            # The running turn's blocks: streamed to the session's spill host now.
+            self.peers.stream(request.session, layout, [k for k, f in zip(keys, flags) if f])
         return local_pb2.FlagsReply(flags=bytes(flags))
 
     @_handler

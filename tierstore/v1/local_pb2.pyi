@@ -74,18 +74,20 @@ class RegisterLayoutReply(_message.Message):
     def __init__(self, layout_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("client_id", "layout_id", "keys", "include_peers", "deadline_s")
+    __slots__ = ("client_id", "layout_id", "keys", "include_peers", "deadline_s", "session")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_PEERS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     layout_id: bytes
     keys: bytes
     include_peers: bool
     deadline_s: float
-    def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., include_peers: _Optional[bool] = ..., deadline_s: _Optional[float] = ...) -> None: ...
+    session: str
+    def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., include_peers: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., session: _Optional[str] = ...) -> None: ...
 
 class EndTurnRequest(_message.Message):
     __slots__ = ("client_id", "layout_id", "session", "keys", "num_tokens", "wait", "replica_target")
