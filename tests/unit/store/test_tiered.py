@@ -16,7 +16,7 @@ from tierstore.memory.arena import Arena
 from tierstore.store.dram import ReserveStatus
 from tierstore.store.nvme import NvmeTier
 from tierstore.store.tiered import TieredStore
-from tierstore.tiers import TierName
+from tierstore.tiers import TIER_CODES, TierName
 
 from ...conftest import SMALL_LAYOUT
 from .fakes import FakeNvme
@@ -55,7 +55,9 @@ def test_put_then_lookup_names_dram(store) -> None:
     s, _ = store
     keys = keys_of(4)
     assert s.put(L, keys, data_for(keys)) == [True] * 4
-    assert s.lookup(L, keys) == type(s.lookup(L, keys))(4, (TierName.DRAM,) * 4)
+    found = s.lookup(L, keys)
+    assert (found.num_hits, found.tiers) == (4, (TierName.DRAM,) * 4)
+    assert s.lookup(L, keys).codes == bytes([TIER_CODES[TierName.DRAM]]) * 4  # the wire form
     assert s.get(L, keys) == data_for(keys)
     c = s.counters.snapshot()
     assert c["lookups"] == 2 and c["lookup_keys"] == 8 and c["lookup_hit_keys"] == 8
@@ -162,3 +164,30 @@ def test_stat_reports_counters_and_tiers(store) -> None:
     assert set(st["tiers"]) == {"dram", "nvme"}
     assert st["tiers"]["dram"]["num_blocks"] == 2
     assert set(st["store"]) >= {"lookups", "promotions", "spilled_blocks", "dropped_blocks"}
+
+
+@pytest.mark.parametrize("hash_queue_blocks", [1 << 16, 0])
+def test_a_block_is_hashed_once_and_its_digest_travels_to_nvme(
+    tmp_path, hash_queue_blocks: int
+) -> None:
+    """In the background after the commit (or, with no hasher, when the
+    spill needs it): once either way, and the NVMe tier never hashes."""
+    cfg = StoreConfig(
+        dram_bytes=BLOCKS_IN_DRAM * L.block_bytes,
+        dram_segment_bytes=BLOCKS_IN_DRAM * L.block_bytes,
+        nvme_dir=str(tmp_path / "unused"),
+        hash_queue_blocks=hash_queue_blocks,
+    )
+    nvme = FakeNvme()
+    s = TieredStore(cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, nvme))
+    try:
+        keys = keys_of(8, start=90_000)
+        s.put(L, keys, data_for(keys))
+        assert s.wait_hashed(10.0)
+        assert s.counters.snapshot()["digests_computed"] == (8 if hash_queue_blocks else 0)
+        assert s.demote(keys) == 8
+        assert nvme.hashes == 0 and s.counters.snapshot()["digests_computed"] == 8
+        assert s.get(L, keys) == data_for(keys)  # promoted back, verified
+        assert s.counters.snapshot()["digests_computed"] == 8  # kept from the NVMe read
+    finally:
+        s.close()
