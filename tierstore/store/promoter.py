@@ -34,6 +34,7 @@ from tierstore.store.base import BlockMeta, Buffer
 from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier, ReserveStatus
 
 PROMOTER_COUNTERS = ("promotions", "promotion_failures")
+PIN_RACE_RETRIES = 2  # reserves again after a block held at the reserve was evicted before the pin
 
 
 class PromotionSource(Protocol):
@@ -181,11 +182,19 @@ class Promoter:
         nbytes = layout.block_bytes
         if meta is None or meta.nbytes != nbytes or meta.layout_fp != layout.fingerprint:
             return None  # absent, or stored under another layout: a miss
-        status, entry = dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
-        if status == ReserveStatus.FULL and self._make_room(nbytes):
+        for _ in range(PIN_RACE_RETRIES + 1):
             status, entry = dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
-        if status == ReserveStatus.EXISTS:
-            return self._pin_matching(key, layout.fingerprint, owner)
+            if status == ReserveStatus.FULL and self._make_room(nbytes):
+                status, entry = dram.reserve(key, layout.fingerprint, nbytes, STORE_OWNER)
+            if status != ReserveStatus.EXISTS:
+                break
+            held = self._pin_matching(key, layout.fingerprint, owner)
+            if held is not None:
+                return held
+            # In DRAM at the reserve but evicted before the pin (a concurrent
+            # make_room took it): reserve again, so the block is promoted.
+        else:
+            return None
         if status != ReserveStatus.OK or entry is None:
             self._counters.add("promotion_failures")
             return None
