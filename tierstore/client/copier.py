@@ -62,18 +62,33 @@ class ArenaCopier:
             self._stream.synchronize()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copy_pairs([(dst, src)])
+
+    def copy_pairs(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each ``src`` into its ``dst``; on CUDA the side stream waits for
+        the engine's stream once for the whole batch, not once per block."""
+        if not pairs:
+            return
+        if self._stream is not None and not all(
+            d.device.type == "cpu" and s.device.type == "cpu" for d, s in pairs
+        ):
+            # The side stream must not start before the work already queued on
+            # the engine's stream (the kernels that wrote the sources) has run.
+            cuda.wait_for_engine(self._stream)
+            with torch.cuda.stream(self._stream):
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+            return
+        for dst, src in pairs:
+            self._copy_one(dst, src)
+
+    def _copy_one(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.device.type == "cpu" and src.device.type == "cpu":
             # One streaming copy (tierstore.memory.memcopy). torch's copy_ splits a
             # block over its intra-op threads, and when the cores are busy (the
             # engine computing) those threads spin-wait: block copies ran 40x
             # slower than memcpy.
             copy_into(dst.numpy(), src.numpy())
-        elif self._stream is not None:
-            # The side stream must not start before the work already queued on
-            # the engine's stream (the kernels that wrote ``src``) has run.
-            cuda.wait_for_engine(self._stream)
-            with torch.cuda.stream(self._stream):
-                dst.copy_(src, non_blocking=True)
         else:
             dst.copy_(src)
 
@@ -92,15 +107,32 @@ class ArenaCopier:
         """Copy the arena slot at ``offsets[j]`` into ``rows[j]``, merging slots
         that sit back to back in the arena into one copy (a slab run holds
         consecutive blocks: 2048 blocks went 45 -> 20 ms)."""
+        pairs = []
+        for j, k in _runs(offsets, block_bytes):
+            arena = self.arena_tensor[offsets[j] : offsets[j] + (k - j) * block_bytes]
+            pairs.append((rows[j:k].reshape(-1), arena))
+        self.copy_pairs(pairs)
+
+    def copy_rows_to_arena(
+        self, rows: Sequence[torch.Tensor], offsets: Sequence[int], block_bytes: int
+    ) -> None:
+        """Copy ``rows[j]`` into the arena slot at ``offsets[j]``: one copy per
+        run of slots that are adjacent in the arena and whose rows are adjacent
+        in the caller's memory (a batch stored from one tensor is one copy)."""
+        pairs = []
         j = 0
         while j < len(offsets):
             k = j + 1
-            while k < len(offsets) and offsets[k] == offsets[k - 1] + block_bytes:
+            while (
+                k < len(offsets)
+                and offsets[k] == offsets[k - 1] + block_bytes
+                and _follows(rows[k - 1], rows[k], block_bytes)
+            ):
                 k += 1
             arena = self.arena_tensor[offsets[j] : offsets[j] + (k - j) * block_bytes]
-            span = rows[j:k].reshape(-1)
-            self.copy(span, arena)
+            pairs.append((arena, _span(rows[j], (k - j) * block_bytes)))
             j = k
+        self.copy_pairs(pairs)
 
     def close(self) -> None:
         """Wait for the side stream, unpin the arena and drop this copier's
@@ -111,6 +143,34 @@ class ArenaCopier:
             self._pinned_host = False
             cuda.unregister_host(self.arena_tensor, self.device)
         self.arena_tensor = torch.empty(0, dtype=torch.uint8)
+
+
+def _runs(offsets: Sequence[int], block_bytes: int) -> list[tuple[int, int]]:
+    """[j, k) index ranges of slots that sit back to back in the arena."""
+    out = []
+    j = 0
+    while j < len(offsets):
+        k = j + 1
+        while k < len(offsets) and offsets[k] == offsets[k - 1] + block_bytes:
+            k += 1
+        out.append((j, k))
+        j = k
+    return out
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor, block_bytes: int) -> bool:
+    """Whether flat uint8 row ``b`` starts where ``a`` ends, in one storage."""
+    return (
+        a.device == b.device
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and b.data_ptr() == a.data_ptr() + block_bytes
+    )
+
+
+def _span(first: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """A flat uint8 view of ``nbytes`` from ``first``'s start, in its storage."""
+    out = torch.empty(0, dtype=torch.uint8, device=first.device)
+    return out.set_(first.untyped_storage(), first.storage_offset(), (nbytes,), (1,))
 
 
 def as_block_rows(layout: KVLayout, num_blocks: int, blocks: Any) -> list[torch.Tensor]:

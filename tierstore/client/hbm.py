@@ -55,6 +55,7 @@ class HbmTier:
         )
         self.policy: EvictionPolicy = policy if policy is not None else LruPolicy()
         self._entries: dict[BlockKey, HbmEntry] = {}
+        self._dirty: set[BlockKey] = set()  # not yet written down: flush touches only these
         self._lock = threading.Lock()
         self._stats = TierStats(capacity_bytes=self.allocator.capacity_bytes)
 
@@ -91,6 +92,8 @@ class HbmTier:
             if offset is None:
                 return None
             self._entries[key] = HbmEntry(key, layout_fp, offset, nbytes, dirty)
+            if dirty:
+                self._dirty.add(key)
             self.policy.insert(key)
             self._stats.bytes_in += nbytes
             return self.pool[offset : offset + nbytes]
@@ -119,19 +122,21 @@ class HbmTier:
             for entry in entries:
                 if self._entries.get(entry.key) is entry:
                     del self._entries[entry.key]
+                    self._dirty.discard(entry.key)
                     self.policy.remove(entry.key)
                     self.allocator.free(entry.offset)
                     self._stats.evictions += 1
 
     def dirty(self) -> list[HbmEntry]:
         with self._lock:
-            return [e for e in self._entries.values() if e.dirty]
+            return [self._entries[k] for k in self._dirty]
 
     def mark_clean(self, keys: Sequence[BlockKey]) -> None:
         with self._lock:
             for key in keys:
                 if (entry := self._entries.get(key)) is not None:
                     entry.dirty = False
+                    self._dirty.discard(key)
 
     def remove(self, keys: Sequence[BlockKey]) -> int:
         with self._lock:
@@ -149,3 +154,4 @@ class HbmTier:
     def close(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._dirty.clear()

@@ -87,11 +87,13 @@ class Pinned:
         keys: list[BlockKey],
         offsets: list[int],
         engine_copies: bool = True,
+        tiers: tuple[TierName, ...] = (),
     ) -> None:
         self.client = client
         self.layout = layout
         self.keys = keys
         self.offsets = offsets
+        self.tiers = tiers  # where each block was found (DRAM, NVMe, PEER)
         n = layout.block_bytes
         self.views = [client.arena_tensor[o : o + n] for o in offsets]
         self._engine_copies = engine_copies

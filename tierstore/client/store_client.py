@@ -279,15 +279,24 @@ class StoreClient:
         return slot
 
     def _evict_hbm(self, victims: list[HbmEntry]) -> None:
+        """Write dirty victims down, then free their slots. Called with
+        ``_hbm_lock`` held; the lock is let go during the write-down (control
+        calls and copies), so other threads' HBM hits do not wait on the
+        sidecar. The victims stay readable and are not reused meanwhile
+        (taken, not freed)."""
         assert self.hbm is not None
         by_layout: dict[bytes, list[HbmEntry]] = {}
         for v in victims:
             if v.dirty:
                 by_layout.setdefault(v.layout_fp, []).append(v)
-        for fp, entries in by_layout.items():
-            self._write_down(
-                self._layouts[fp], [e.key for e in entries], [self.hbm.view(e) for e in entries]
-            )
+        if by_layout:
+            self._hbm_lock.release()
+            try:
+                for fp, entries in by_layout.items():
+                    keys = [e.key for e in entries]
+                    self._write_down(self._layouts[fp], keys, [self.hbm.view(e) for e in entries])
+            finally:
+                self._hbm_lock.acquire()
         self.hbm.free(victims)
 
     def _write_down(
@@ -299,13 +308,16 @@ class StoreClient:
         for lo in range(0, len(keys), self.max_batch_keys):
             batch = keys[lo : lo + self.max_batch_keys]
             reply = self._call(self._stub.Reserve, self._req(layout, batch), "reserve")
-            ok = []
+            ok, src, dst = [], [], []
             for j, (status, offset) in enumerate(zip(reply.statuses, reply.offsets)):
                 if status == local_pb2.RESERVE_OK:
                     self.arena.ensure_ready(offset, n)  # page tables of a fresh unit, once
-                    self._copier.copy(self.arena_tensor[offset : offset + n], rows[lo + j])
                     ok.append(batch[j])
+                    src.append(rows[lo + j])
+                    dst.append(offset)
                 held.append(status != local_pb2.RESERVE_FULL)
+            # One streaming copy per run of slots adjacent in the arena and in ``rows``.
+            self._copier.copy_rows_to_arena(src, dst, n)
             if ok:
                 self._copier.sync()
                 req = self._req(layout, ok)
@@ -422,7 +434,8 @@ class StoreClient:
         offsets = list(reply.offsets)
         for offset in offsets:  # page tables of units this process has not mapped yet
             self.arena.ensure_ready(offset, layout.block_bytes)
-        return Pinned(self, layout, keys[: len(offsets)], offsets, engine_copies)
+        tiers = tuple(TIER_BY_CODE[c] for c in reply.tiers)
+        return Pinned(self, layout, keys[: len(offsets)], offsets, engine_copies, tiers)
 
     def _release(self, layout: KVLayout, keys: list[BlockKey]) -> None:
         if keys and self.connected:
@@ -500,9 +513,8 @@ class StoreClient:
         include_peers: bool = False,
         deadline_s: float = 0.0,
     ) -> list[TierName]:
-        # The local tiers label the blocks; Acquire itself asks the peers
-        # (once) for what is missing here, so the lookup does not.
-        local_tiers = self._sidecar_lookup(layout, keys, False)
+        # Acquire says where each block was found (and asks the peers, once,
+        # for what is missing here): two control calls per run, acquire and release.
         with self._acquire(layout, keys, include_peers, deadline_s, False) as pinned:
             self._copier.copy_runs(rows, pinned.offsets, layout.block_bytes)
             if promote and self.hbm is not None:
@@ -512,9 +524,12 @@ class StoreClient:
                         if slot is not None:
                             self._copier.copy(slot, view)
             self._copier.sync()  # copies out of the arena end before the pins go
-            tiers = list(local_tiers[: len(pinned.keys)])
-            beyond = TierName.PEER if include_peers else TierName.DRAM  # raced in meanwhile
-            return tiers + [beyond] * (len(pinned.keys) - len(tiers))
+            if len(pinned.tiers) == len(pinned.keys):
+                return list(pinned.tiers)
+            # A sidecar that does not say (older): ask, as before.
+            local = list(self._sidecar_lookup(layout, pinned.keys, False))
+            beyond = TierName.PEER if include_peers else TierName.DRAM
+            return local + [beyond] * (len(pinned.keys) - len(local))
 
     def prefetch(
         self,

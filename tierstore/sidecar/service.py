@@ -344,6 +344,9 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         self, request: local_pb2.KeysRequest, context: grpc.ServicerContext
     ) -> local_pb2.AcquireReply:
         owner, layout, keys = self._request(request)
+        # Where each block is before promotion: the engine labels its load with
+        # it, without a lookup call of its own.
+        found = self.store.lookup(layout, keys).codes
         entries = self.store.acquire(layout, keys, owner)
         if request.include_peers and self.peers is not None and len(entries) < len(keys):
             # Pull on switch: the rest of the prefix from the peer that holds it.
@@ -357,7 +360,10 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
                 entries += self.store.acquire(layout, keys[len(entries) :], owner)
         self.store.adopt([e.key for e in entries])
         self._release_if_detached(owner)
-        return local_pb2.AcquireReply(offsets=[e.offset for e in entries])
+        # Past what the lookup saw: fetched from a peer, or raced into DRAM meanwhile.
+        beyond = TIER_CODES[TierName.PEER if request.include_peers else TierName.DRAM]
+        tiers = found[: len(entries)] + bytes([beyond]) * max(0, len(entries) - len(found))
+        return local_pb2.AcquireReply(offsets=[e.offset for e in entries], tiers=tiers)
 
     @_handler
     def EndTurn(

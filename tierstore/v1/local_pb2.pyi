@@ -150,10 +150,12 @@ class LookupReply(_message.Message):
     def __init__(self, num_hits: _Optional[int] = ..., tiers: _Optional[bytes] = ...) -> None: ...
 
 class AcquireReply(_message.Message):
-    __slots__ = ("offsets",)
+    __slots__ = ("offsets", "tiers")
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+    tiers: bytes
+    def __init__(self, offsets: _Optional[_Iterable[int]] = ..., tiers: _Optional[bytes] = ...) -> None: ...
 
 class PrefetchRequest(_message.Message):
     __slots__ = ("client_id", "layout_id", "keys", "policy", "timeout_s")
