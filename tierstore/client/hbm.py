@@ -131,6 +131,23 @@ class HbmTier:
         with self._lock:
             return [self._entries[k] for k in self._dirty]
 
+    def hold_dirty(self) -> list[HbmEntry]:
+        """The dirty blocks, taken out of eviction's way (readable, never a
+        victim) until ``unhold``: a flush writes them down without the lock."""
+        with self._lock:
+            held = [e for k in self._dirty if not (e := self._entries[k]).evicting]
+            for e in held:
+                self.policy.remove(e.key)
+                e.evicting = True
+            return held
+
+    def unhold(self, entries: Sequence[HbmEntry]) -> None:
+        with self._lock:
+            for e in entries:
+                if self._entries.get(e.key) is e and e.evicting:
+                    e.evicting = False
+                    self.policy.insert(e.key)
+
     def mark_clean(self, keys: Sequence[BlockKey]) -> None:
         with self._lock:
             for key in keys:

@@ -354,7 +354,10 @@ class StoreClient:
         if self.hbm is None:
             return 0
         with self._hbm_lock:
-            dirty = self.hbm.dirty()
+            # Held: out of eviction's way, so their slots are not reused while
+            # they are written down without the lock.
+            dirty = self.hbm.hold_dirty()
+        try:
             by_layout: dict[bytes, list[HbmEntry]] = {}
             for e in dirty:
                 by_layout.setdefault(e.layout_fp, []).append(e)
@@ -362,6 +365,8 @@ class StoreClient:
                 keys = [e.key for e in entries]
                 self._write_down(self._layouts[fp], keys, [self.hbm.view(e) for e in entries])
                 self.hbm.mark_clean(keys)
+        finally:
+            self.hbm.unhold(dirty)
         return len(dirty)
 
     # -- reads ------------------------------------------------------------------------
