@@ -96,6 +96,7 @@ from switchhosts import (  # noqa: E402
 from switchsim import (  # noqa: E402
     CHURN,
     PUBLIC_DELTA_BYTES,
+    REPLICATE_RULES,
     SimConfig,
     Workload,
     churn_sweep,
@@ -148,6 +149,9 @@ def real_run(
                 scaled_bytes(DRAM_BYTES_SCALE1, scale),
                 scaled_bytes(NVME_BYTES_SCALE1, scale) if nvme_bytes is None else nvme_bytes,
                 scaled_bytes(REPLICA_BYTES_SCALE1, scale),
+                # Off: kv_share's rule with an unreachable min_tokens, nothing streamed.
+                replicate_policy="headroom" if replication else "kv_share",
+                stream=replication,
             )
             cars.append(car)
             CLEANUPS.append(car)
@@ -168,7 +172,7 @@ def real_run(
             tx0 = [net.tx_bytes(i) for i in range(2)]
             driver = Driver(
                 clients, layout, wl, float(scale), sessions, duration_s, MIN_TOKENS, engines,
-                policy,
+                policy, stream=replication,
             )  # fmt: skip
             cpu0 = _cpu_now([c.proc.pid for c in cars])
             t0 = time.monotonic()
@@ -518,11 +522,19 @@ def chart_fleet(rows: list[dict[str, Any]], path: Path) -> None:
 def sim_main(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     base = SimConfig()
+    # kv_share's rule (the base) next to tierstore's headroom rule and streaming.
     if args.quick:
-        rows = fleet_sweep(hosts=(2, 4, 8), sessions_per_host=(8,), seeds=(1,))
+        rows = fleet_sweep(
+            hosts=(2, 4, 8), sessions_per_host=(8,), seeds=(1,), rules=REPLICATE_RULES
+        )
         routing = (2, 4), (8, 12), (1,)
     else:
-        rows = fleet_sweep(hosts=(2, 4, 8, 16, 32, 64), sessions_per_host=(6, 8), seeds=(1, 2))
+        rows = fleet_sweep(
+            hosts=(2, 4, 8, 16, 32, 64),
+            sessions_per_host=(6, 8),
+            seeds=(1, 2),
+            rules=REPLICATE_RULES,
+        )
         routing = (2, 4, 8, 16), (8, 12), (1, 2)
     # Affinity-with-spill against the router, replication on, 1 Gbit/s.
     hosts, sph, seeds = routing

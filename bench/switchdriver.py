@@ -85,8 +85,10 @@ class Driver:
         min_tokens: int,
         engines: dict[str, EngineImports],
         policy: str = "affinity",
+        stream: bool = False,
     ) -> None:
         self.clients, self.layout, self.wl = clients, layout, wl
+        self.stream = stream  # store with the session id: the sidecar streams its replica
         self.min_tokens = min_tokens  # kv_share's rule (also when replication is off)
         self.scale, self.sessions, self.duration_s = scale, sessions, duration_s
         self.members = list(clients)
@@ -287,7 +289,8 @@ class Driver:
             self.stats.same_host_misses += 1
         new = len(keys) - hits
         if new:
-            client.store(layout, keys[hits:], self.data[:new])  # prefill
+            session = name if self.stream else ""
+            client.store(layout, keys[hits:], self.data[:new], session=session)  # prefill
         decode_s = wl.decode(rng)
         context = prompt + wl.output(rng)
         self.stats.ttft_s.append(waited_s + wl.prefill_s(prompt - reused) * self.scale)
@@ -296,7 +299,8 @@ class Driver:
         all_keys = chain_keys(layout, self._tokens(index, conv, context))
         out = len(all_keys) - len(keys)
         if out:
-            client.store(layout, all_keys[len(keys) :], self.data[:out])
+            session = name if self.stream else ""
+            client.store(layout, all_keys[len(keys) :], self.data[:out], session=session)
         if len(all_keys) > len(keys) and all_keys[len(keys) - 1] != keys[-1]:
             raise RuntimeError("chain keys of the prompt changed with the output")
         self.stats.slot_excess_s.append(max(0.0, time.monotonic() - hold_until))

@@ -115,6 +115,8 @@ class Sidecar:
         dram_bytes: int,
         nvme_bytes: int,
         replica_bytes: int,
+        replicate_policy: str = "headroom",
+        stream: bool = True,
     ) -> None:
         root.mkdir(parents=True)
         self.root, self.socket = root, root / "s.sock"
@@ -126,6 +128,8 @@ class Sidecar:
             "--set", f"peers={peer}:{PEER_PORT}", "--set", f"peer_token={TOKEN}",
             "--set", f"min_tokens={min_tokens}", "--set", "compression=none",
             "--set", f"replica_bytes={replica_bytes}",
+            "--set", f"replicate_policy={replicate_policy}",
+            "--set", f"stream_replicas={str(stream).lower()}",
             "--set", "log_level=warning", "--set", "shutdown_grace_s=1",
         ]  # fmt: skip
         # `ip netns exec` execs the command: this pid is the sidecar's.

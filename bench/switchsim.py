@@ -23,7 +23,11 @@ Provides:
   the spill; ``policy="router"``: each waiting turn, in FIFO order, starts
   when the host with its least estimated TTFT has a free slot, so a turn may
   wait for the host holding its prefix rather than go cold) and the same
-  replication (push after a turn of >= min_tokens to
+  replication (``replicate``: ``kv_share``, push after a turn of >=
+  min_tokens; ``headroom``, tierstore's default rule, which also pushes
+  shorter turns while the host's uplink backlog drains within
+  ``headroom_s``; ``stream``, the headroom rule with the prompt's blocks
+  streamed when the prefill ends, the output's after the turn; always to
   the spill host, only the blocks it lacks), each host's uplink a FIFO of its
   pushes at a given bandwidth plus a fixed per-push import cost (downlink
   contention is not modelled). Every turn's TTFT is its wait for a slot,
@@ -52,9 +56,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tierstore.load import HostLoadView
-from tierstore.policies import rendezvous_target
+from tierstore.policies import HeadroomRule, ReplicaRequest, rendezvous_target
 from tierstore.router.cost import DRAM, HostView, Plan, Rates, plan
 
+REPLICATE_RULES = ("kv_share", "headroom", "stream")
 WARM_FRACTION = 0.9  # >= this share of the prompt reused: warm
 PARTLY_FRACTION = 0.3  # >= this (and < warm): partly warm; below: cold
 PUBLIC_DELTA_BYTES = 247 << 20  # the write-up's typical replica delta
@@ -224,6 +229,8 @@ class SimConfig:
     push_deadline_s: float = 120.0  # pushes ending later than this after the turn: dropped
     min_tokens: int = 8192  # kv_share: turns shorter than this are not replicated
     replication: bool = True
+    replicate: str = "kv_share"  # kv_share | headroom | stream (see the module docstring)
+    headroom_s: float = 10.0  # headroom / stream: short turns while the uplink drains this fast
     policy: str = "affinity"  # affinity (with a spill) | router (least estimated TTFT)
     dram_load_bytes_per_s: float = 10e9  # a held block's load into the engine (both policies)
     workload: Workload = field(default_factory=Workload)
@@ -262,6 +269,10 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         raise ValueError(f"membership must be static or live, got {cfg.membership!r}")
     if (cfg.churn or cfg.extra_hosts) and cfg.policy != "affinity":
         raise ValueError("hosts joining and leaving are simulated with affinity placement only")
+    if cfg.replicate not in REPLICATE_RULES:
+        raise ValueError(f"replicate must be one of {REPLICATE_RULES}, got {cfg.replicate!r}")
+    link_bytes_per_s = cfg.link_bits_per_s / 8
+    headroom = HeadroomRule(cfg.min_tokens, cfg.headroom_s, link_bytes_per_s)
     wl = cfg.workload
     block_bytes = wl.block_tokens * wl.bytes_per_token
     everyone = [f"host-{i:02d}" for i in range(cfg.hosts + cfg.extra_hosts)]
@@ -301,6 +312,41 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     sent_bytes = 0
     turns = 0
     dropped = 0
+    skipped = 0  # pushes the rule declined (short turns; under headroom, a busy uplink)
+    scheduled: dict[tuple[str, str], int] = {}  # (target, conversation) -> blocks on the way
+
+    def replicate(host: str, context: int, push_bytes: int, now: float) -> bool:
+        if cfg.replicate == "kv_share":
+            return context >= cfg.min_tokens
+        backlog = int(max(0.0, up_free[host] - now) * link_bytes_per_s)
+        return headroom.replicate(
+            ReplicaRequest(context, push_bytes, link_bytes_per_s, backlog, False)
+        )
+
+    def push(
+        host: str, target: str | None, s: _Session, blocks: int, context: int, now: float
+    ) -> None:
+        """Queue the push of what ``target`` (``s``'s spill host) lacks of its first ``blocks``."""
+        nonlocal dropped, skipped
+        if not cfg.replication or target is None:
+            return
+        there = max(held[target].get(s.name, 0), scheduled.get((target, s.name), 0))
+        missing = blocks - there
+        if missing <= 0:
+            return
+        nbytes = missing * block_bytes
+        if not replicate(host, context, nbytes, now):
+            skipped += 1
+            return
+        begin = max(now, up_free[host])
+        done = begin + cfg.import_fixed_s + nbytes * 8 / cfg.link_bits_per_s
+        if done - now > cfg.push_deadline_s:
+            dropped += 1
+            return
+        up_free[host] = done
+        send_s.append(done - now)
+        scheduled[(target, s.name)] = blocks
+        push_event(done, "replica", (target, s.name, blocks, nbytes))
 
     def start(s: _Session, prompt: int, host: str, now: float, arrived: float) -> None:
         nonlocal turns, joined_turns
@@ -317,6 +363,8 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         ttft_s.append(now - arrived + first_token)
         wait_s.append(now - arrived)
         busy = first_token + wl.decode(s.rng)
+        if cfg.replicate == "stream":  # the prompt's blocks stream once its prefill ends
+            push_event(now + first_token, "prefill_done", (s, prompt, host))
         busy_s[host] += busy
         router.observe(busy)
         push_event(now + busy, "end", (s, prompt, host))
@@ -379,24 +427,18 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             if target is not None and target not in up:
                 pushes_to_dead += 1  # a static list (or a live one within its TTL): lost
                 target = None
-            if cfg.replication and target is not None and s.context >= cfg.min_tokens:
-                missing = blocks - held[target].get(s.name, 0)
-                if missing > 0:
-                    nbytes = missing * block_bytes
-                    begin = max(now, up_free[host])
-                    done = begin + cfg.import_fixed_s + nbytes * 8 / cfg.link_bits_per_s
-                    if done - now > cfg.push_deadline_s:
-                        dropped += 1
-                    else:
-                        up_free[host] = done
-                        send_s.append(done - now)
-                        push_event(done, "replica", (target, s.name, blocks, nbytes))
+            push(host, target, s, blocks, s.context, now)
             if s.context >= wl.max_context_tokens:
                 s.conversation += 1
                 s.context = 0
                 s.last_host = None
             push_event(now + wl.think(s.rng), "arrive", s)
             place_waiting(now)
+        elif kind == "prefill_done":
+            s, prompt, host = data
+            target = spill_target(s, host) if host in up else None
+            if target is not None and target in up:
+                push(host, target, s, prompt // wl.block_tokens, prompt, now)
         elif kind == "replica":
             target, name, blocks, nbytes = data
             if target in up:
@@ -428,6 +470,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         "sessions": cfg.sessions,
         "link_gbps": cfg.link_bits_per_s / 1e9,
         "replication": cfg.replication,
+        "replicate": cfg.replicate,
         "policy": cfg.policy,
         "turns": turns,
         **shares(outcomes),
@@ -441,6 +484,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         "pushes_to_dead": pushes_to_dead,
         "turns_on_joined_hosts": joined_turns,
         "membership": cfg.membership,
+        "pushes_skipped": skipped,
         "send_p50_s": percentile(send_s, 50),
         "send_p90_s": percentile(send_s, 90),
         "replica_bytes": sent_bytes,
@@ -495,25 +539,42 @@ def fleet_sweep(
     seeds: Sequence[int] = (1, 2, 3),
     base: SimConfig | None = None,
     router_hosts: Sequence[int] = (),
+    rules: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """Mean over ``seeds`` of ``simulate`` for every combination, plus
     replication off; with affinity placement, and also with the router for
-    the fleet sizes in ``router_hosts`` (at the first link speed)."""
+    the fleet sizes in ``router_hosts`` (at the first link speed), and with
+    each replication rule of ``rules`` besides the base's (affinity, every
+    link speed)."""
     base = base or SimConfig()
     rows = []
-    combos = [
-        (h, sph, g, True, "affinity")
+    Combo = tuple[int, int, float, bool, str, str]
+    first = base.replicate
+    combos: list[Combo] = [
+        (h, sph, g, True, "affinity", first)
         for h in hosts
         for sph in sessions_per_host
         for g in links_gbps
     ]
     combos += [
-        (h, sph, links_gbps[0], False, "affinity") for h in hosts for sph in sessions_per_host
+        (h, sph, links_gbps[0], False, "affinity", first)
+        for h in hosts
+        for sph in sessions_per_host
     ]
     combos += [
-        (h, sph, links_gbps[0], True, "router") for h in router_hosts for sph in sessions_per_host
+        (h, sph, links_gbps[0], True, "router", first)
+        for h in router_hosts
+        for sph in sessions_per_host
     ]
-    for h, sph, gbps, repl, policy in combos:
+    combos += [
+        (h, sph, g, True, "affinity", rule)
+        for rule in rules
+        if rule != first
+        for h in hosts
+        for sph in sessions_per_host
+        for g in links_gbps
+    ]
+    for h, sph, gbps, repl, policy, rule in combos:
         runs = [
             simulate(
                 replace(
@@ -523,13 +584,14 @@ def fleet_sweep(
                     link_bits_per_s=gbps * 1e9,
                     replication=repl,
                     policy=policy,
+                    replicate=rule,
                     workload=replace(base.workload, seed=seed),
                 )
             )
             for seed in seeds
         ]
         row = dict(runs[0])
-        for key in ("switches", "turns", "replica_bytes", "pushes_dropped"):
+        for key in ("switches", "turns", "replica_bytes", "pushes_dropped", "pushes_skipped"):
             row[key] = sum(r[key] for r in runs)
         for key in (
             "warm",

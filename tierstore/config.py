@@ -182,9 +182,7 @@ class PeerConfig:
     tls_ca_file: str = ""  # PEM CA: verify peers (and, serving, require client certs: mTLS)
     min_tokens: int = 8192  # turns this long are always replicated (the floor under pressure)
     replicate_policy: str = "headroom"  # headroom | kv_share (only turns of min_tokens)
-    replicate_headroom_s: float = (
-        1.0  # headroom: shorter turns while the push backlog drains this fast
-    )
+    replicate_headroom_s: float = 10.0  # headroom: short turns whose push lands within this
     link_bytes_per_s: float = 125e6  # link rate assumed to a peer before one is measured
     stream_replicas: bool = True  # push a session's blocks to its spill host as they are committed
     stream_link_share: float = 0.5  # share of the link the streamed pushes may use

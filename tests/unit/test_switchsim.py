@@ -128,3 +128,25 @@ def test_bad_churn_is_refused() -> None:
         simulate(replace(CHURNED, churn=((1.0, "join", 0),)))  # already up
     with pytest.raises(ValueError, match="affinity"):
         simulate(replace(CHURNED, policy="router"))
+
+
+def test_replication_rules_on_the_same_sessions() -> None:
+    """The headroom rule replicates short turns kv_share leaves out (fewer
+    skipped pushes); streaming sends the prompt's blocks at prefill end, so
+    its pushes land sooner after the turn."""
+    base = SimConfig(hosts=2, sessions=16, duration_s=1800.0)
+    kv = simulate(replace(base, replicate="kv_share"))
+    head = simulate(replace(base, replicate="headroom"))
+    stream = simulate(replace(base, replicate="stream"))
+    assert head["pushes_skipped"] < kv["pushes_skipped"]
+    assert stream["send_p50_s"] < kv["send_p50_s"]
+    assert {kv["replicate"], head["replicate"], stream["replicate"]} == {
+        "kv_share",
+        "headroom",
+        "stream",
+    }
+
+
+def test_unknown_replication_rule() -> None:
+    with pytest.raises(ValueError, match="replicate must be one of"):
+        simulate(SimConfig(replicate="always"))
