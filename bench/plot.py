@@ -4,8 +4,9 @@
     python bench/peer.py --json > peer.json
     python bench/switch.py --simulate --json > sim.json
     python bench/vllm.py --json > vllm.json
+    python bench/scale.py --json > scale.json
     python bench/plot.py --ttft ttft.json --peer peer.json --routing sim.json --vllm vllm.json \
-        --out docs/img
+        --scale scale.json --out docs/img
 
 Needs matplotlib (not a tierstore dependency: `pip install matplotlib`).
 """
@@ -129,6 +130,31 @@ def plot_vllm(data: dict, out: Path) -> None:
     ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     fig.tight_layout()
     fig.savefig(out / "vllm_ttft.png")
+SCALE_OPS = {
+    "put_evict_us": "put with eviction",
+    "lookup_us": "lookup",
+    "acquire_us": "acquire (pin)",
+    "release_us": "release a transfer's pins",
+    "promote_us": "promotion from NVMe",
+}
+
+
+def plot_scale(data: dict, out: Path) -> None:
+    sizes = sorted(data["sizes"], key=int)
+    held = [int(n) for n in sizes]
+    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
+    for op, label in SCALE_OPS.items():
+        if op in data["sizes"][sizes[0]]:
+            ax.plot(held, [data["sizes"][n][op] for n in sizes], marker="o", label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("blocks held")
+    ax.set_ylabel("us per block")
+    ax.set_title(f"Cost per block vs blocks held ({data['block_bytes'] // 1024} KiB blocks)")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "scale.png")
 
 
 def main() -> None:
@@ -137,6 +163,7 @@ def main() -> None:
     parser.add_argument("--peer", type=Path)
     parser.add_argument("--routing", type=Path, help="bench/switch.py --simulate --json output")
     parser.add_argument("--vllm", type=Path, help="bench/vllm.py --json output")
+    parser.add_argument("--scale", type=Path, help="bench/scale.py --json output")
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -148,6 +175,8 @@ def main() -> None:
         plot_routing(json.loads(args.routing.read_text()), args.out)
     if args.vllm:
         plot_vllm(json.loads(args.vllm.read_text()), args.out)
+    if args.scale:
+        plot_scale(json.loads(args.scale.read_text()), args.out)
 
 
 if __name__ == "__main__":
