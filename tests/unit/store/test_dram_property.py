@@ -76,8 +76,9 @@ def test_eviction_matches_the_model(sequence: list[tuple]) -> None:
             elif op[0] == "release":
                 dropped = sum(pins[op[1]].values())
                 assert tier.release_owner(op[1]) == (0, dropped)
-                for i in list(pins[op[1]]):
-                    pins[op[1]][i] = 0
+                released = [i for i, c in pins[op[1]].items() if c > 0]
+                pins[op[1]].clear()
+                for i in released:
                     if not pinned(i):
                         stamp[i] = clock
             else:
