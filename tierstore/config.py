@@ -71,6 +71,7 @@ class StoreConfig:
     dram_populate: str = "background"  # background (serve at once) | upfront (populate first)
     dram_huge_pages: bool = True  # ask for transparent huge pages on the arena (madvise)
     hash_queue_blocks: int = 1 << 16  # committed blocks waiting for their digest; 0: hash on use
+    replica_live_s: float = 300.0  # replicas pushed this recently keep their LRU place in DRAM
 
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
@@ -113,6 +114,8 @@ class StoreConfig:
             raise ConfigError(
                 f"dram_populate must be background or upfront, got {self.dram_populate!r}"
             )
+        if self.replica_live_s < 0:
+            raise ConfigError(f"replica_live_s must be >= 0, got {self.replica_live_s}")
         if self.hash_queue_blocks < 0:
             raise ConfigError(f"hash_queue_blocks must be >= 0, got {self.hash_queue_blocks}")
 

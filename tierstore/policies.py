@@ -21,6 +21,10 @@ Provides:
   least ``min_tokens``) and ``HeadroomRule`` (also shorter turns while the
   link and the target's replica budget have headroom; ``min_tokens`` stays
   the floor under pressure); ``make_replication_policy`` by config name.
+- ``ReplicaRetention``: which replicas leave DRAM before the host's own
+  blocks (those not pushed within ``live_s``: their session has likely
+  ended) and which keep their recency place (live ones: the session may
+  switch any moment).
 
 The tier that owns a policy serialises every call (its own lock). ``evict``
 is atomic: it returns a victim that is removed from the policy, or None and
@@ -473,3 +477,19 @@ def make_replication_policy(
     raise ConfigError(
         f"unknown replication policy {name!r}; choose one of {list(REPLICATION_POLICIES)}"
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRetention:
+    """Recency with a bounded replica priority. A replica pushed within
+    ``live_s`` belongs to a session that may switch to this host any
+    moment: it stays in the eviction order by its recency, like the host's
+    own blocks, so finished conversations (the least recently used) leave
+    first. Older replicas leave before the host's own blocks. The priority
+    is bounded twice: by ``live_s`` per block and by the replica budget."""
+
+    live_s: float
+
+    def evict_before_own(self, age_s: float) -> bool:
+        """Whether a replica last pushed ``age_s`` ago leaves before own blocks."""
+        return age_s >= self.live_s

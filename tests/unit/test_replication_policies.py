@@ -1,4 +1,5 @@
-"""Replication policies (pure): kv_share's min_tokens rule and the headroom rule."""
+"""Replication policies (pure): kv_share's min_tokens rule, the headroom rule,
+and which replicas leave DRAM before the host's own blocks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from tierstore.policies import (
     HeadroomRule,
     KvShareRule,
     ReplicaRequest,
+    ReplicaRetention,
     ReplicationPolicy,
     make_replication_policy,
 )
@@ -80,3 +82,11 @@ def test_make_replication_policy(name: str, kind: type) -> None:
 def test_unknown_replication_policy_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="unknown replication policy"):
         make_replication_policy("always", MIN, 1.0, 125e6)
+
+
+@pytest.mark.parametrize(
+    ("live_s", "age_s", "first"),
+    [(300.0, 0.0, False), (300.0, 299.9, False), (300.0, 300.0, True), (0.0, 0.0, True)],
+)
+def test_replica_retention(live_s: float, age_s: float, first: bool) -> None:
+    assert ReplicaRetention(live_s).evict_before_own(age_s) is first

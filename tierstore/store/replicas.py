@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -25,6 +26,7 @@ from tierstore.keys import BlockKey
 class ReplicaLedger:
     def __init__(self) -> None:
         self._blocks: OrderedDict[BlockKey, int] = OrderedDict()  # key -> bytes, oldest first
+        self._pushed_at: dict[BlockKey, float] = {}  # key -> time.monotonic() of its last push
         self._used_bytes = 0
         self._pending_bytes = 0
         self._maybe_gone: set[BlockKey] = set()  # replicas some tier dropped since last asked
@@ -41,6 +43,13 @@ class ReplicaLedger:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def oldest_aged(self, limit: int, now: float) -> list[tuple[BlockKey, float]]:
+        """Up to ``limit`` replicas, least recently pushed first, each with
+        the seconds since its last push."""
+        with self._lock:
+            keys = list(itertools.islice(self._blocks, limit))
+            return [(k, now - self._pushed_at.get(k, now)) for k in keys]
 
     def note_removed(self, keys: Sequence[BlockKey]) -> None:
         """A tier dropped ``keys``: the replicas among them may be gone."""
@@ -74,6 +83,7 @@ class ReplicaLedger:
 
     def settle(self, reserved_bytes: int, keys: Iterable[BlockKey], block_bytes: int) -> None:
         """An import ended: its promise is released, what it committed is counted."""
+        now = time.monotonic()
         with self._lock:
             self._pending_bytes -= reserved_bytes
             for key in keys:
@@ -81,18 +91,22 @@ class ReplicaLedger:
                     self._used_bytes += block_bytes
                 self._blocks[key] = block_bytes
                 self._blocks.move_to_end(key)
+                self._pushed_at[key] = now
 
     def refresh(self, keys: Iterable[BlockKey]) -> None:
         """The replicas among ``keys`` were pushed again: move them to the
         newest end, in the given order (the last given ends newest). Keys that
         are not replicas (this host's own blocks) are left alone."""
+        now = time.monotonic()
         with self._lock:
             for key in keys:
                 if key in self._blocks:
                     self._blocks.move_to_end(key)
+                    self._pushed_at[key] = now
 
     def discard(self, keys: Iterable[BlockKey]) -> None:
         with self._lock:
             for key in keys:
                 self._used_bytes -= self._blocks.pop(key, 0)
+                self._pushed_at.pop(key, None)
                 self._maybe_gone.discard(key)

@@ -40,7 +40,12 @@ from tierstore.errors import BlockSizeError, LayoutError
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.memory.arena import Arena
 from tierstore.memory.memcopy import copy_into
-from tierstore.policies import make_admission_policy, make_eviction_policy, make_write_policy
+from tierstore.policies import (
+    ReplicaRetention,
+    make_admission_policy,
+    make_eviction_policy,
+    make_write_policy,
+)
 from tierstore.ratelog import RateLimitedLog
 from tierstore.store.base import Tier
 from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier, ReserveStatus
@@ -206,6 +211,7 @@ class TieredStore:
         # Blocks imported for other hosts (kv_share): evicted before the
         # host's own blocks and bounded by a budget.
         self.replicas = ReplicaLedger()
+        self._retention = ReplicaRetention(config.replica_live_s)
         if self.nvme is not None:
             # and on NVMe too (a bounded batch of them per write batch: the
             # policy's order takes over after it)
@@ -551,19 +557,27 @@ class TieredStore:
             return True
 
     def _take_victims(self, want_bytes: int) -> list[DramEntry]:
+        """DRAM victims for ``want_bytes``: replicas no longer live first
+        (``ReplicaRetention``), then the policy's order (live replicas keep
+        their recency place in it), a batch at most."""
+        batch = self.config.demote_batch_blocks
         victims: list[DramEntry] = []
         freed = 0
-        if self.replicas:  # other hosts' replicas leave DRAM before our own blocks
-            for victim in self.dram.take(self.replicas.oldest(self.config.demote_batch_blocks)):
+        if self.replicas:
+            now = time.monotonic()
+            stale = [
+                k
+                for k, age in self.replicas.oldest_aged(batch, now)
+                if self._retention.evict_before_own(age)
+            ]
+            for victim in self.dram.take(stale):
                 if freed >= want_bytes:
                     self.dram.untake(victim)
                     continue
                 victims.append(victim)
                 freed += victim.nbytes
-        if freed < want_bytes and len(victims) < self.config.demote_batch_blocks:
-            victims += self.dram.take_victims(
-                want_bytes - freed, self.config.demote_batch_blocks - len(victims)
-            )
+        if freed < want_bytes and len(victims) < batch:
+            victims += self.dram.take_victims(want_bytes - freed, batch - len(victims))
         return victims
 
     def _spill(self, victims: list[DramEntry]) -> int:

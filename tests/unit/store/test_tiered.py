@@ -141,8 +141,24 @@ def test_failed_spills_are_counted_and_the_victims_leave_dram(store) -> None:
     assert s.lookup(L, keys[-1:]).num_hits == 1  # the newest block is still held
 
 
-def test_replicas_leave_dram_before_the_hosts_own_blocks(store) -> None:
-    s, _ = store
+@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+def test_stale_replicas_leave_dram_before_the_hosts_own_blocks(tmp_path, policy: str) -> None:
+    cfg = StoreConfig(
+        dram_bytes=BLOCKS_IN_DRAM * L.block_bytes,
+        dram_segment_bytes=BLOCKS_IN_DRAM * L.block_bytes,
+        nvme_dir=str(tmp_path / "unused"),
+        eviction_policy=policy,
+        replica_live_s=0.0,  # every replica is stale at once
+    )
+    nvme = FakeNvme()
+    s = TieredStore(cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, nvme))
+    try:
+        _stale_replicas_leave_first(s)
+    finally:
+        s.close()
+
+
+def _stale_replicas_leave_first(s: TieredStore) -> None:
     own = keys_of(BLOCKS_IN_DRAM // 2)
     s.put(L, own, data_for(own))
     replica = keys_of(BLOCKS_IN_DRAM // 2, start=10_000)
@@ -189,5 +205,39 @@ def test_a_block_is_hashed_once_and_its_digest_travels_to_nvme(
         assert nvme.hashes == 0 and s.counters.snapshot()["digests_computed"] == 8
         assert s.get(L, keys) == data_for(keys)  # promoted back, verified
         assert s.counters.snapshot()["digests_computed"] == 8  # kept from the NVMe read
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize(("live_s", "replicas_stay"), [(300.0, True), (0.0, False)])
+def test_live_replicas_stay_in_dram_ahead_of_finished_conversations(
+    tmp_path, live_s: float, replicas_stay: bool
+) -> None:
+    """Own blocks of an old conversation, then a replica pushed just now,
+    then new own blocks that need room: a live replica keeps its recency
+    place (the old conversation leaves); with live_s = 0 it leaves first."""
+    cfg = StoreConfig(
+        dram_bytes=BLOCKS_IN_DRAM * L.block_bytes,
+        dram_segment_bytes=BLOCKS_IN_DRAM * L.block_bytes,
+        nvme_dir=str(tmp_path / "unused"),
+        replica_live_s=live_s,
+        dram_high_watermark=1.0,
+        dram_low_watermark=0.99,
+    )
+    nvme = FakeNvme()
+    s = TieredStore(cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, nvme))
+    try:
+        finished = keys_of(6, start=200_000)
+        replica = keys_of(6, start=300_000)
+        new = keys_of(6, start=400_000)
+        s.put(L, finished, data_for(finished))
+        s.put(L, replica, data_for(replica))
+        s.finish_replica_import(0, L, replica)
+        s.put(L, new, data_for(new))  # 18 blocks into 16: two must leave DRAM
+        in_dram = s.dram.contains(replica)
+        assert all(in_dram) is replicas_stay
+        assert (s.dram.contains(finished)[:2] == [False, False]) is replicas_stay
+        assert all(s.dram.contains(new))
+        assert all(s.held(finished + replica + new))  # spilled, not lost
     finally:
         s.close()
