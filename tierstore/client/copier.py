@@ -61,12 +61,21 @@ class ArenaCopier:
             cuda.synchronize_engine(self.device)
             self._stream.synchronize()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.copy_pairs([(dst, src)])
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, *, wait: bool = True) -> None:
+        """One copy; ``wait=False`` after ``wait_engine`` for a batch of them."""
+        self.copy_pairs([(dst, src)], wait=wait)
 
-    def copy_pairs(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def wait_engine(self) -> None:
+        """Make the side stream wait for the work queued on the engine's
+        stream so far (once per batch of copies; no-op without CUDA)."""
+        if self._stream is not None:
+            cuda.wait_for_engine(self._stream)
+
+    def copy_pairs(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, wait: bool = True
+    ) -> None:
         """Copy each ``src`` into its ``dst``; on CUDA the side stream waits for
-        the engine's stream once for the whole batch, not once per block."""
+        the engine's stream once for the whole batch (``wait``), not once per block."""
         if not pairs:
             return
         if self._stream is not None and not all(
@@ -74,7 +83,8 @@ class ArenaCopier:
         ):
             # The side stream must not start before the work already queued on
             # the engine's stream (the kernels that wrote the sources) has run.
-            cuda.wait_for_engine(self._stream)
+            if wait:
+                self.wait_engine()
             with torch.cuda.stream(self._stream):
                 for dst, src in pairs:
                     dst.copy_(src, non_blocking=True)

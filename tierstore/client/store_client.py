@@ -249,6 +249,7 @@ class StoreClient:
         if self.hbm is None:
             return self._write_down(layout, keys, rows, session)
         held = [True] * len(keys)
+        self._copier.wait_engine()  # once: the rows were written before this call
         with self._hbm_lock:
             in_hbm = self.hbm.contains(keys)
             for i, (key, row) in enumerate(zip(keys, rows)):
@@ -258,7 +259,7 @@ class StoreClient:
                 if slot is None:
                     held[i] = False
                     continue
-                self._copier.copy(slot, row)
+                self._copier.copy(slot, row, wait=False)
         if write_through:
             down = self._write_down(layout, keys, rows, session)
             held = [a or b for a, b in zip(held, down)]
