@@ -157,6 +157,41 @@ def plot_scale(data: dict, out: Path) -> None:
     fig.savefig(out / "scale.png")
 
 
+RULE_LABELS = {
+    "kv_share": "kv_share (min_tokens, after the turn)",
+    "headroom": "headroom rule",
+    "stream": "headroom + streamed during the turn",
+}
+
+
+def plot_rules(data: dict, out: Path) -> None:
+    """Warm switches of cached context, and cold ones, per replication rule."""
+    rows = [r for r in data["rows"] if r["replication"] and r["policy"] == "affinity"]
+    gbps = min(r["link_gbps"] for r in rows)
+    sph = max(r["sessions_per_host"] for r in rows)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.6, 3.6), dpi=120)
+    for rule, label in RULE_LABELS.items():
+        pick = sorted(
+            (r for r in rows if r["replicate"] == rule and r["link_gbps"] == gbps
+             and r["sessions_per_host"] == sph),
+            key=lambda r: r["hosts"],
+        )  # fmt: skip
+        if not pick:
+            continue
+        hosts = [r["hosts"] for r in pick]
+        ax1.plot(hosts, [r["warm_of_cached"] for r in pick], marker="o", label=label)
+        ax2.plot(hosts, [r["cold_of_cached"] for r in pick], marker="o", label=label)
+    for ax, title in ((ax1, "warm share of switches (of cached)"), (ax2, "cold share")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("hosts")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    ax1.legend(fontsize=7)
+    fig.suptitle(f"Simulated fleet, {gbps:g} Gbit/s, {sph} sessions per host: replication rules")
+    fig.tight_layout()
+    fig.savefig(out / "replication_rules.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ttft", type=Path)
@@ -164,6 +199,7 @@ def main() -> None:
     parser.add_argument("--routing", type=Path, help="bench/switch.py --simulate --json output")
     parser.add_argument("--vllm", type=Path, help="bench/vllm.py --json output")
     parser.add_argument("--scale", type=Path, help="bench/scale.py --json output")
+    parser.add_argument("--rules", type=Path, help="bench/switch.py --simulate --json output")
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -177,6 +213,8 @@ def main() -> None:
         plot_vllm(json.loads(args.vllm.read_text()), args.out)
     if args.scale:
         plot_scale(json.loads(args.scale.read_text()), args.out)
+    if args.rules:
+        plot_rules(json.loads(args.rules.read_text()), args.out)
 
 
 if __name__ == "__main__":
