@@ -43,13 +43,20 @@ when the session's next turn began, the sidecars' eviction and replica
 counters, and CPU use; per policy the time to first token (wait for a slot
 + import + simulated prefill: ``ttft_*``) and load balance (the busier
 host's slot-seconds over the mean: ``busy_max_over_mean``). A baseline run
-has replication off.
+has replication off. With replication on the sidecars run tierstore's
+headroom rule and stream each session's blocks as the turn stores them
+(``session=`` on store); off is kv_share's rule with an unreachable
+``min_tokens``. Next to each run, the perfect-store model of the same
+sessions: ``simulated_same_runs`` (kv_share's rule) and
+``simulated_same_runs_stream`` (the rule the sidecars ran).
 
 The pieces: ``switchhosts.py`` (namespaces, links, sidecars, the engines'
 import processes), ``switchdriver.py`` (the sessions), ``switchsim.py``
 (workload, placement policies, the pure simulation), ``switchdiag.py`` (why
 a switch was not warm). ``--simulate`` also compares affinity with the
-router over 2-16 hosts (``routing_rows``; chart: ``bench/plot.py --routing``).
+router over 2-16 hosts (``routing_rows``; chart: ``bench/plot.py --routing``)
+and the replication rules over 2-64 hosts (``rows`` by ``replicate``; chart:
+``bench/plot.py --rules``).
 """
 
 from __future__ import annotations
@@ -390,18 +397,23 @@ def real_main(args: argparse.Namespace) -> dict[str, Any]:
             if args.out:  # what is done survives a later run's failure
                 Path(args.out).write_text(json.dumps({"runs": runs, "partial": True}, default=str))
     wl = Workload()
-    sims = [
-        simulate(
+
+    def model(r: dict[str, Any], rule: str) -> dict[str, Any]:
+        """The perfect-store model of the run's sessions under ``rule``."""
+        return simulate(
             SimConfig(
                 sessions=r["sessions"],
                 link_bits_per_s=LINK_BPS[r["link"]] or 2e10,
                 replication=r["replication"],
                 policy=r["policy"],
                 duration_s=duration / float(scale),
+                replicate=rule,
             )
         )
-        for r in runs
-    ]
+
+    sims = [model(r, "kv_share") for r in runs]
+    # The same with the rule the sidecars ran (headroom, streamed during the turn).
+    sims_stream = [model(r, "stream") for r in runs]
     layout = scaled_layout(scale, wl)
     r16 = next(
         (
@@ -427,6 +439,7 @@ def real_main(args: argparse.Namespace) -> dict[str, Any]:
         else args.nvme_bytes,
         "runs": runs,
         "simulated_same_runs": sims,
+        "simulated_same_runs_stream": sims_stream,
         "public": PUBLIC,
         "targets": TARGETS,
         "meets_targets": None
