@@ -300,6 +300,7 @@ class TieredStore:
             todo = list(range(len(keys)))
         # One DRAM lock per pass, not per key; a pass that runs out of room
         # evicts once for everything still to reserve, then the rest goes on.
+        made_room = False
         while todo:
             results = self.dram.reserve_many([keys[i] for i in todo], fp, nbytes, owner)
             for i, (status, entry) in zip(todo, results):
@@ -309,7 +310,11 @@ class TieredStore:
             if results[-1][0] != ReserveStatus.FULL:
                 break
             todo = todo[len(results) - 1 :]
-            if not self.make_room(nbytes, len(todo)):
+            # A pass right after making room that placed nothing (the arena's
+            # pages refused, say): the rest is FULL, as without a retry loop.
+            stalled = made_room and len(results) == 1
+            made_room = True
+            if stalled or not self.make_room(nbytes, len(todo)):
                 for i in todo:
                     # Spilled meanwhile, by this batch's own reservations: still held.
                     held = self.nvme is not None and self.nvme.contains([keys[i]])[0]
