@@ -130,6 +130,8 @@ def plot_vllm(data: dict, out: Path) -> None:
     ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     fig.tight_layout()
     fig.savefig(out / "vllm_ttft.png")
+
+
 SCALE_OPS = {
     "put_evict_us": "put with eviction",
     "lookup_us": "lookup",

@@ -179,6 +179,7 @@ def seed_peer(peer: Sidecar, base: int) -> list[tuple[int, int]]:
 def overload_phase(root: Path, ctx, rng: random.Random, args, out: dict) -> None:
     port, peer_port = free_port(), free_port()
     common = (*SERVER_ARGS, "--set", f"peer_token={PEER_TOKEN}", "--set", "min_tokens=1000000",
+              "--set", "replicate_policy=kv_share",  # no replica push
               "--set", "peer_lookup_timeout_s=2")  # fmt: skip
     sidecar = Sidecar(
         root / "a", "--set", f"peer_port={port}", "--set", f"peers=127.0.0.1:{peer_port}",

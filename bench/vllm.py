@@ -165,7 +165,12 @@ def main() -> None:
         tmp = Path(tmp_s)
         model = tiny_llama(tmp / "model")
         pa, pb = free_port(), free_port()
-        common = ("peer_token=bench", "min_tokens=1000000000", "dram_segment_bytes=16MiB")
+        common = (
+            "peer_token=bench",
+            "min_tokens=1000000000",
+            "replicate_policy=kv_share",
+            "dram_segment_bytes=16MiB",
+        )
         (tmp / "a").mkdir()
         (tmp / "b").mkdir()
         with (

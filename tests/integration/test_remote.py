@@ -273,6 +273,7 @@ def test_prefetch_pre_positions_from_peers_and_from_the_bucket(s3_env: Any, side
         return (
             "--set", f"peer_port={ports[i]}", "--set", "peer_token=pre-position",
             "--set", f"peers=127.0.0.1:{ports[1 - i]}", "--set", "min_tokens=1000000",
+            "--set", "replicate_policy=kv_share",  # no replica push at all
         )  # fmt: skip
 
     a = sidecars("a", s3_env.endpoint, *peer_args(0), dram="4MiB")

@@ -68,6 +68,7 @@ def test_sixteen_clients_and_a_peer(tmp_path: Path) -> None:
     rng = random.Random(424242)
     port_a, port_b = free_port(), free_port()
     common = ("--set", f"peer_token={TOKEN}", "--set", "min_tokens=1000000",
+              "--set", "replicate_policy=kv_share",  # no replica push
               "--set", "peer_lookup_timeout_s=2", "--set", f"max_clients={MAX_CLIENTS}",
               "--set", f"rpc_threads={RPC_THREADS}")  # fmt: skip
     a = Sidecar(
