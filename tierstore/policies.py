@@ -413,6 +413,8 @@ def remote_gc_victims(
         victims.append(obj)
         total -= obj.size
     return victims
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaRequest:
     """What a replication policy is shown about one push (all measured now
