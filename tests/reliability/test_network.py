@@ -380,7 +380,7 @@ def test_added_latency(relayed: Relayed) -> None:
 FIRST_LOOKUP = """
 import sys, time, grpc
 from tierstore.config import PeerConfig
-from tierstore.peer.tier import PeerClient
+from tierstore.peer.client import PeerClient
 from tests.reliability.harness import LAYOUT, chain
 client = PeerClient(sys.argv[1], PeerConfig(), sys.argv[2])
 t0 = time.monotonic()

@@ -8,7 +8,9 @@ on a side stream, with the rules the HBM tier uses:
 - a save (device -> arena) first makes the side stream wait for the
   engine's current stream, so it never reads a page before the kernels that
   write it have run;
-- a load (arena -> device) records one event per layer on the side stream;
+- a load (arena -> device) first waits for the engine's stream too (the
+  pages it fills were freed by earlier requests whose kernels may still read
+  them), then records one event per layer on the side stream;
   ``layer_ready(i)`` makes the engine's stream wait for layer i's event, so
   layer i's attention waits for its own pages only, and the copies of the
   later layers overlap the compute of the earlier ones;
@@ -40,6 +42,9 @@ class CudaPageMover:
 
     def to_pages(self, layer: int, pairs: Pairs) -> None:
         page, n = self.paged.pages[layer], self.paged.inner
+        # The pages being filled were freed by earlier requests: kernels the
+        # engine queued before this step may still read them. Write after those.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             for offset, block_id in pairs:
                 for o in range(self.paged.outer):
