@@ -156,6 +156,18 @@ class StoreClient:
                 daemon=True,
             )
             self._reporter.start()
+        # Attach maps the arena without populating it (fast at any size); this
+        # thread fills this process's page tables in the background (madvise,
+        # no GIL), so that steady-state copies do not pay a page fault per
+        # 4 KiB on each unit's first use (measured: store at 0.27 of memcpy
+        # instead of 0.5 while every slot was fresh to the client).
+        self._populator = threading.Thread(
+            target=self.arena.populate,
+            kwargs={"stop": self._stop_reports.is_set},
+            name="tierstore-arena-tables",
+            daemon=True,
+        )
+        self._populator.start()
 
     # -- plumbing -------------------------------------------------------------------
 
@@ -670,6 +682,7 @@ class StoreClient:
         self._stop_reports.set()
         if self._reporter is not None:
             self._reporter.join(timeout=self.call_timeout_s)
+        self._populator.join()  # it stops at the next unit; never madvise an unmapped range
         self._background.shutdown(wait=True)
         if self._fast is not None:
             self._fast.close()
