@@ -61,16 +61,6 @@ POLICY_CODES = {
 }
 OUTCOME_NAMES = {0: "started", 1: "done", 2: "late", 3: "cancelled"}
 HBM_PULL_CHUNK_BLOCKS = 64  # arena pins held at once while a prefetch fills HBM
-__all__ = [
-    "ClientLookup",
-    "LoadResult",
-    "Pinned",
-    "PrefetchResult",
-    "ReserveStatus",
-    "Reserved",
-    "SidecarUnavailable",
-    "StoreClient",
-]
 
 
 class StoreClient:
