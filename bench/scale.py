@@ -18,11 +18,18 @@ per block, the best of its rounds:
 - ``promote_us``: ``acquire`` of blocks held only on NVMe (n blocks on the
   NVMe tier, page-cached files without O_DIRECT, a DRAM tier of 8192 blocks
   that evicts as it promotes): read, verify, reserve, commit, pin;
-- ``stat_us``: one ``stat()`` call (not per block).
+- ``stat_us``: one ``stat()`` call (not per block);
+- ``index_probe_us``: the floor, one probe per key of a plain dict of the
+  n keys held (the store's own key objects): the cache misses any hash
+  index of n keys pays, measured in the same round.
 
 ``growth`` is each figure at the largest size over the smallest (target:
-<= 1.5 for every per-block operation). The machines this runs on are
-shared: only the ratios of one run compare.
+<= 1.5 for every per-block operation). ``index_probe_growth`` is the
+floor's own growth, and ``added_cost_in_index_probes`` what lookup, acquire
+and release add per key from the smallest size to the largest in units of
+the floor's added cost (about 1 for a lookup: one probe of the index; a
+bounded number for every operation, whatever n is). The machines this runs
+on are shared: only the ratios of one run compare.
 """
 
 from __future__ import annotations
@@ -148,6 +155,17 @@ def one_round(rig: Rig, ops: int, m: int, data: memoryview) -> None:
                 store.lookup(LAYOUT, batch)
 
     rig.keep("lookup_us", timed(lookups), m * passes)
+    # The floor: one probe per key of a plain dict of the n keys the store
+    # holds (the same key objects). Any hash index pays this cache miss.
+    index = dict.fromkeys(store.dram.held_keys(), True)
+
+    def probes() -> None:
+        for _ in range(passes):
+            for batch in batches:
+                [index.get(k, False) for k in batch]
+
+    rig.keep("index_probe_us", timed(probes), m * passes)
+    del index
     got: list[int] = []
     rig.keep(
         "acquire_us",
@@ -214,6 +232,14 @@ def main() -> None:
                     rig.nvme.close()
     first, last = rows[str(sizes[0])], rows[str(sizes[-1])]
     growth = {k: round(last[k] / first[k], 3) for k in PER_BLOCK if first.get(k, 0) > 0}
+    # What each operation's growth costs in units of the floor's: how many
+    # index probes' worth of cache misses per key the larger store adds.
+    probe_added = last["index_probe_us"] - first["index_probe_us"]
+    added_in_probes = {
+        k: round((last[k] - first[k]) / probe_added, 2)
+        for k in ("lookup_us", "acquire_us", "release_us")
+        if probe_added > 0
+    }
     emit(
         {
             "block_bytes": BB,
@@ -224,6 +250,8 @@ def main() -> None:
             "growth": growth,
             "growth_max": max(growth.values()) if growth else 0.0,
             "target_growth_max": 1.5,
+            "index_probe_growth": round(last["index_probe_us"] / first["index_probe_us"], 3),
+            "added_cost_in_index_probes": added_in_probes,
         },
         args.json,
     )

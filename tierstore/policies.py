@@ -55,6 +55,11 @@ class EvictionPolicy(Protocol):
 
     def remove(self, key: BlockKey) -> None: ...
 
+    def readmit(self, key: BlockKey) -> None:
+        """A key back from use (its last pin dropped): tracked again as just
+        used; a key still tracked (a quiet pin left it in place) stays put."""
+        ...
+
     def evict(self, can_evict: CanEvict) -> BlockKey | None:
         """Remove and return the first victim for which ``can_evict`` is true."""
         ...
@@ -84,6 +89,10 @@ class LruPolicy:
 
     def remove(self, key: BlockKey) -> None:
         self._order.pop(key, None)
+
+    def readmit(self, key: BlockKey) -> None:
+        if key not in self._order:
+            self._order[key] = None  # a new key goes to the most recent end
 
     def evict(self, can_evict: CanEvict) -> BlockKey | None:
         for key in self._order:
@@ -143,6 +152,11 @@ class S3FifoPolicy:
         if self._freq.pop(key, None) is not None:
             self._small.pop(key, None)
             self._main.pop(key, None)
+
+    def readmit(self, key: BlockKey) -> None:
+        if key not in self._freq:
+            self.insert(key)
+            self.touch(key)
 
     def evict(self, can_evict: CanEvict) -> BlockKey | None:
         # Each key is looked at a bounded number of times: at most one move

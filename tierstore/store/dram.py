@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -52,7 +51,7 @@ class ReserveStatus(enum.IntEnum):
     FULL = 2  # no free slot of that size: evict, then retry
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # hashed and compared by identity (keys of the pin tables)
 class DramEntry:
     key: BlockKey
     layout_fp: bytes
@@ -76,8 +75,10 @@ class DramTier:
         self.allocator = SlabAllocator(arena.size_bytes, segment_bytes)
         self.policy: EvictionPolicy = policy if policy is not None else LruPolicy()
         self._entries: dict[BlockKey, DramEntry] = {}
-        self._pins: dict[int, Counter[BlockKey]] = {}
-        self._pin_totals: dict[int, int] = {}  # owner -> pins it holds (sum of its Counter)
+        # owner -> its pinned entries and how many pins of each: keyed by the
+        # entry itself, so dropping a transfer's pins probes no index.
+        self._pins: dict[int, dict[DramEntry, int]] = {}
+        self._pin_totals: dict[int, int] = {}  # owner -> pins it holds (sum of its table)
         self._reserved: dict[int, set[BlockKey]] = {}  # owner -> keys it has RESERVED
         self._num_readable = 0
         self._lock = threading.Lock()
@@ -155,7 +156,7 @@ class DramTier:
         done = []
         added: list[BlockKey] = []
         with self._lock:
-            pins = self._pins.setdefault(pin_for, Counter()) if pin_for is not None else None
+            pins = self._pins.setdefault(pin_for, {}) if pin_for is not None else None
             reserved = self._reserved.get(owner)
             for i, key in enumerate(keys):
                 entry = self._entries.get(key)
@@ -175,7 +176,7 @@ class DramTier:
                     added.append(key)
                     if pins is not None and pin_for is not None:
                         entry.refs += 1
-                        pins[key] += 1
+                        pins[entry] = pins.get(entry, 0) + 1
                         self._pin_totals[pin_for] = self._pin_totals.get(pin_for, 0) + 1
                     else:
                         self.policy.insert(key)
@@ -217,7 +218,7 @@ class DramTier:
         """Pin each readable key (counted as a hit) or give None (a miss)."""
         out: list[DramEntry | None] = []
         with self._lock:
-            pins = self._pins.setdefault(owner, Counter())
+            pins = self._pins.setdefault(owner, {})
             for key in keys:
                 entry = self._entries.get(key)
                 if self._readable(entry):
@@ -225,7 +226,7 @@ class DramTier:
                     if entry.refs == 0:
                         self.policy.remove(key)  # out of eviction's way while pinned
                     entry.refs += 1
-                    pins[key] += 1
+                    pins[entry] = pins.get(entry, 0) + 1
                     self._stats.hits += 1
                     self._stats.bytes_out += entry.nbytes
                     out.append(entry)
@@ -246,7 +247,7 @@ class DramTier:
         like ``pin`` but neither a hit nor a use (the eviction order stays)."""
         out: list[DramEntry | None] = []
         with self._lock:
-            pins = self._pins.setdefault(owner, Counter())
+            pins = self._pins.setdefault(owner, {})
             for key in keys:
                 entry = self._entries.get(key)
                 if self._readable(entry):
@@ -254,7 +255,7 @@ class DramTier:
                     # Stays in the eviction policy, in its place (skipped as a
                     # victim while pinned): the order is not this pin's business.
                     entry.refs += 1
-                    pins[key] += 1
+                    pins[entry] = pins.get(entry, 0) + 1
                     out.append(entry)
                 else:
                     out.append(None)
@@ -292,14 +293,16 @@ class DramTier:
             if pins is None:
                 return 0
             for key in keys:
-                count = pins.get(key, 0)
+                entry = self._entries.get(key)
+                count = pins.get(entry, 0) if entry is not None else 0
                 if count <= 0:
                     continue
+                assert entry is not None
                 if count == 1:
-                    del pins[key]
+                    del pins[entry]
                 else:
-                    pins[key] = count - 1
-                self._unref(self._entries[key], 1)
+                    pins[entry] = count - 1
+                self._unref(entry, 1)
                 n += 1
             self._pin_totals[owner] = self._pin_totals.get(owner, 0) - n
             if not pins:
@@ -424,10 +427,10 @@ class DramTier:
             reserved = self._reserved.pop(owner, set())
             for key in reserved:
                 self._free(self._entries[key])
-            pins = self._pins.pop(owner, Counter())
+            pins = self._pins.pop(owner, {})
             self._pin_totals.pop(owner, None)
-            for key, count in pins.items():
-                self._unref(self._entries[key], count)
+            for entry, count in pins.items():
+                self._unref(entry, count)
             return len(reserved), sum(pins.values())
 
     # -- accounting -----------------------------------------------------------
@@ -474,13 +477,9 @@ class DramTier:
         """Drop ``count`` pins of an entry; the last one puts a committed
         block back in the eviction policy (as just used)."""
         entry.refs -= count
-        if (
-            entry.refs == 0
-            and entry.state == EntryState.COMMITTED
-            and entry.key not in self.policy  # a quiet pin left it in its place
-        ):
-            self.policy.insert(entry.key)
-            self.policy.touch(entry.key)
+        if entry.refs == 0 and entry.state == EntryState.COMMITTED:
+            # Back as the most recently used; a quiet pin left it in its place.
+            self.policy.readmit(entry.key)
 
     def _free(self, entry: DramEntry) -> None:
         del self._entries[entry.key]
