@@ -16,11 +16,15 @@
  * prefetcher), this loop with software prefetch 8.3 GB/s; one 256 MiB
  * memcpy (non-temporal inside glibc) 9.9 GB/s.
  *
- * The loop: 64 bytes per step, unaligned 16-byte loads, non-temporal
- * 16-byte stores (SSE2, part of every x86-64 CPU) once the destination is
- * 16-byte aligned, a prefetch PREFETCH_AHEAD bytes ahead of the loads, and
- * an sfence so the stores are visible before the call returns (the caller
- * may then publish the block to another process). Copies under
+ * The loop (stream_copy_pages): four 4 KiB pages at a time, one 64-byte line
+ * of each per step, unaligned 16-byte loads, non-temporal 16-byte stores
+ * (SSE2, part of every x86-64 CPU) of whole destination lines, a prefetch
+ * ahead in each page, and an sfence so the stores are visible before the
+ * call returns (the caller may then publish the block to another process).
+ * A later VM of the same kind, 1 GiB walked in runs of 320 KiB - 128 MiB:
+ * into the arena 9.5-11 GB/s and out of it 8.9-9.3 GB/s, against glibc's
+ * 6.0-7.3 GB/s (9.7-11.7 at 128 MiB, where its own four-page loop starts)
+ * and 6.7-6.9 GB/s for the one-stream loop this replaced. Copies under
  * STREAM_MIN_BYTES, and every copy on other architectures, use memcpy: a
  * small copy is likely read again soon and is better left in the cache.
  */
@@ -66,11 +70,89 @@ static void stream_copy(char *dst, const char *src, size_t n)
 }
 #endif
 
+/* Four pages at a time: one 64-byte line of each of four consecutive 4 KiB
+ * pages per step. The hardware prefetcher follows a stream only within a
+ * page, so a plain loop over 4 KiB pages (the arena's) keeps one stream
+ * open; four interleaved ones keep four, as glibc's large memcpy does.
+ * Measured on the 2-core VM, 1 GiB walked in runs of each size, out of a
+ * tmpfs mapping into private memory: the one-stream loop 6.7-6.9 GB/s at
+ * every size, glibc 7.2 GB/s up to 32 MiB and 11.4 GB/s at 128 MiB (its
+ * four-page loop starts there). */
+#define PAGE_BYTES 4096
+#ifndef PAGES_PREFETCH_AHEAD
+#define PAGES_PREFETCH_AHEAD 128
+#endif
+
+static void stream_copy_pages(char *dst, const char *src, size_t n)
+{
+    /* Whole 64-byte lines of the destination: a non-temporal store that
+     * fills part of a line is flushed as a partial write (half the speed
+     * out of the arena into a buffer 16 bytes past a line boundary). */
+    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    const size_t group = PAGE_BYTES * 4;
+    size_t done = 0;
+    for (; done + group <= n; done += group) {
+        const char *s = src + done;
+        char *d = dst + done;
+        for (size_t off = 0; off < PAGE_BYTES; off += 64) {
+            const char *s0 = s + off, *s1 = s0 + PAGE_BYTES, *s2 = s1 + PAGE_BYTES,
+                       *s3 = s2 + PAGE_BYTES;
+            _mm_prefetch(s0 + PAGES_PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch(s1 + PAGES_PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch(s2 + PAGES_PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch(s3 + PAGES_PREFETCH_AHEAD, _MM_HINT_T0);
+            /* All sixteen loads, then the sixteen stores (sixteen xmm registers). */
+            __m128i a0 = _mm_loadu_si128((const __m128i *)(s0));
+            __m128i a1 = _mm_loadu_si128((const __m128i *)(s0 + 16));
+            __m128i a2 = _mm_loadu_si128((const __m128i *)(s0 + 32));
+            __m128i a3 = _mm_loadu_si128((const __m128i *)(s0 + 48));
+            __m128i b0 = _mm_loadu_si128((const __m128i *)(s1));
+            __m128i b1 = _mm_loadu_si128((const __m128i *)(s1 + 16));
+            __m128i b2 = _mm_loadu_si128((const __m128i *)(s1 + 32));
+            __m128i b3 = _mm_loadu_si128((const __m128i *)(s1 + 48));
+            __m128i c0 = _mm_loadu_si128((const __m128i *)(s2));
+            __m128i c1 = _mm_loadu_si128((const __m128i *)(s2 + 16));
+            __m128i c2 = _mm_loadu_si128((const __m128i *)(s2 + 32));
+            __m128i c3 = _mm_loadu_si128((const __m128i *)(s2 + 48));
+            __m128i e0 = _mm_loadu_si128((const __m128i *)(s3));
+            __m128i e1 = _mm_loadu_si128((const __m128i *)(s3 + 16));
+            __m128i e2 = _mm_loadu_si128((const __m128i *)(s3 + 32));
+            __m128i e3 = _mm_loadu_si128((const __m128i *)(s3 + 48));
+            char *d0 = d + off, *d1 = d0 + PAGE_BYTES, *d2 = d1 + PAGE_BYTES,
+                 *d3 = d2 + PAGE_BYTES;
+            _mm_stream_si128((__m128i *)(d0), a0);
+            _mm_stream_si128((__m128i *)(d0 + 16), a1);
+            _mm_stream_si128((__m128i *)(d0 + 32), a2);
+            _mm_stream_si128((__m128i *)(d0 + 48), a3);
+            _mm_stream_si128((__m128i *)(d1), b0);
+            _mm_stream_si128((__m128i *)(d1 + 16), b1);
+            _mm_stream_si128((__m128i *)(d1 + 32), b2);
+            _mm_stream_si128((__m128i *)(d1 + 48), b3);
+            _mm_stream_si128((__m128i *)(d2), c0);
+            _mm_stream_si128((__m128i *)(d2 + 16), c1);
+            _mm_stream_si128((__m128i *)(d2 + 32), c2);
+            _mm_stream_si128((__m128i *)(d2 + 48), c3);
+            _mm_stream_si128((__m128i *)(d3), e0);
+            _mm_stream_si128((__m128i *)(d3 + 16), e1);
+            _mm_stream_si128((__m128i *)(d3 + 32), e2);
+            _mm_stream_si128((__m128i *)(d3 + 48), e3);
+        }
+    }
+    _mm_sfence();
+    stream_copy(dst + done, src + done, n - done);
+}
+
 static void copy_bytes(char *dst, const char *src, size_t n)
 {
 #if HAVE_STREAM
     if (n >= STREAM_MIN_BYTES) {
-        stream_copy(dst, src, n);
+        stream_copy_pages(dst, src, n);
         return;
     }
 #endif

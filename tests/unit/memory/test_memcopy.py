@@ -11,7 +11,10 @@ import pytest
 
 from tierstore.memory import memcopy
 
-SIZES = [0, 1, 15, 63, 64, 65, 4095, 64 << 10, (256 << 10) - 1, 256 << 10, (2 << 20) + 7]
+# Around the C loop's edges: the 256 KiB streaming floor, its four-page
+# (16 KiB) groups and the tail after the last whole group.
+SIZES = [0, 1, 15, 63, 64, 65, 4095, 64 << 10, (256 << 10) - 1, 256 << 10, (2 << 20) + 7,
+         (256 << 10) + 3 * 16384 + 4095]
 
 
 @pytest.fixture(params=["c", "numpy"])
@@ -25,7 +28,9 @@ def copy(request, monkeypatch):
 
 
 @pytest.mark.parametrize("nbytes", SIZES)
-@pytest.mark.parametrize("dst_shift,src_shift", [(0, 0), (1, 0), (0, 3), (7, 13)])
+@pytest.mark.parametrize(
+    "dst_shift,src_shift", [(0, 0), (1, 0), (0, 3), (7, 13), (48, 5), (63, 0), (16, 40)]
+)
 def test_copies_every_byte_at_any_alignment(copy, nbytes, dst_shift, src_shift):
     rng = np.random.default_rng(nbytes + dst_shift)
     src_buf = rng.integers(0, 256, nbytes + 64, dtype=np.uint8)
