@@ -11,6 +11,7 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -60,6 +61,41 @@ def test_round_trip_from_dram_and_nvme(sidecar: SidecarProcess) -> None:
         assert client.load(SMALL_LAYOUT, keys[-10:]).tiers == (DRAM,) * 10  # just promoted
         stat = client.stat()
         assert stat.counters["promotions"] >= 50 and stat.counters["spilled_blocks"] >= 172
+
+
+def test_a_loads_release_comes_before_the_clients_next_call(
+    sidecar: SidecarProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A load sends its release without waiting for the reply; the client's
+    next call waits for it, so that call sees the pins gone. A release that
+    fails is counted and logged (its pins go when the client detaches)."""
+    keys, data = keys_for(20), blocks(20)
+    with StoreClient(str(sidecar.socket)) as client:
+        assert all(client.store(SMALL_LAYOUT, keys, data))
+        for _ in range(3):
+            assert torch.equal(client.load(SMALL_LAYOUT, keys).blocks, data)
+            assert sum(c.pins for c in client.stat().clients) == 0
+        real = client._stub.Release
+
+        class Lost(grpc.RpcError, grpc.Future):  # a release the sidecar never saw
+            def result(self, timeout=None):  # noqa: ANN001, ANN201
+                raise self
+
+            def done(self) -> bool:
+                return True
+
+        class FailingRelease:
+            def future(self, request, timeout):  # noqa: ANN001, ANN201
+                return Lost()
+
+        client._stub.Release = FailingRelease()
+        assert client.load(SMALL_LAYOUT, keys).num_blocks == 20
+        client._stub.Release = real
+        assert sum(c.pins for c in client.stat().clients) == 20  # left until detach
+        assert client.release_errors == 1
+        assert "release" in caplog.text and "pins kept" in caplog.text
+    with StoreClient(str(sidecar.socket)) as other:
+        assert sum(c.pins for c in other.stat().clients) == 0  # the detach dropped them
 
 
 def test_cascade_hbm_dram_nvme_and_back(sidecar: SidecarProcess) -> None:

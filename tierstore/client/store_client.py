@@ -22,6 +22,7 @@ HBM pool's writes are serialised by one lock.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 import time
@@ -53,6 +54,8 @@ from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.memory.arena import Arena
 from tierstore.tiers import TIER_BY_CODE, TierName
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 POLICY_CODES = {
     "best_effort": local_pb2.PREFETCH_BEST_EFFORT,
@@ -126,6 +129,11 @@ class StoreClient:
             self._channel.close()
             raise
         self._hbm_lock = threading.Lock()
+        # Releases in flight: sent without waiting for the reply; the next
+        # control call waits for them first (see _release).
+        self._releases: list[grpc.Future] = []
+        self._releases_lock = threading.Lock()
+        self.release_errors = 0
         self._layouts: dict[bytes, KVLayout] = {}
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-client")
         self._fast: FastLookupClient | None = None
@@ -187,6 +195,7 @@ class StoreClient:
                 return
 
     def _call(self, method: Any, request: Any, what: str) -> Any:
+        self._settle_releases()
         try:
             return method(request, timeout=self.call_timeout_s)
         except grpc.RpcError as e:
@@ -446,8 +455,32 @@ class StoreClient:
         return Pinned(self, layout, keys[: len(offsets)], offsets, engine_copies, tiers)
 
     def _release(self, layout: KVLayout, keys: list[BlockKey]) -> None:
+        """Drop the pins without waiting for the reply: a load's copies are
+        done by now, so the round trip need not be on its path. Every later
+        control call of this client waits for the releases sent before it
+        (``_settle_releases``), so what it sees or does comes after them."""
         if keys and self.connected:
-            self._call(self._stub.Release, self._req(layout, keys), "release")
+            self._settle_releases()
+            future = self._stub.Release.future(self._req(layout, keys), timeout=self.call_timeout_s)
+            with self._releases_lock:
+                self._releases.append(future)
+
+    def _settle_releases(self) -> None:
+        """Wait for the releases in flight (each within the call timeout). A
+        failed one is logged and counted (``release_errors``): its pins stay
+        until this client detaches, when the sidecar drops them all."""
+        if not self._releases:
+            return
+        with self._releases_lock:
+            pending = list(self._releases)
+        for future in pending:
+            try:
+                future.result()
+            except grpc.RpcError as e:
+                self.release_errors += 1
+                log.warning("release: %s (pins kept until this client detaches)", rpc_error(e, "release"))
+        with self._releases_lock:
+            self._releases = [f for f in self._releases if not f.done()]
 
     def load(
         self,
@@ -669,6 +702,8 @@ class StoreClient:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        with contextlib.suppress(Exception):  # a sidecar gone: detaching drops the pins
+            self._settle_releases()
         self._stop_reports.set()
         if self._reporter is not None:
             self._reporter.join(timeout=self.call_timeout_s)
