@@ -9,10 +9,19 @@ turn landing on the other host before that push finished found it cold.
 
 Bounds: the bytes queued or in flight over all sessions are at most
 ``max_bytes`` (blocks beyond wait for ``end_turn``: counted in
-``stream_deferred_blocks``), and pushes are paced to ``link_share`` of the
-link rate to the target (measured, or the configured default), so the
-turn's own traffic is not starved. Whether a session is streamed at all is
-the replication policy's decision (the caller's ``offer`` says so).
+``stream_deferred_blocks``), and while other pushes of this host are
+running (``contended``: end_turn's), streamed pushes are paced to
+``link_share`` of the link rate to the target (measured, or the configured
+default), so those are not starved; with the link to themselves they run at
+its full rate (pacing an idle link only made replicas late). Whether a
+session is streamed at all is the replication policy's decision (the
+caller's ``offer`` says so).
+
+Order: the oldest stream first, each chunk of it before the next session's.
+When the link cannot carry every session's turn before its next one (the
+start of a fleet, a burst of long prompts), sending the sessions one after
+the other leaves only the last ones late; sharing it round robin made them
+all late together.
 
 Threads: any Commit thread offers; one "tierstore-streamer" thread pushes
 (each push is a replicate call: the target fetches the blocks it lacks over
@@ -61,6 +70,7 @@ class ReplicaStreamer:
         push: PushFn,
         link_bytes_per_s: Callable[[str], float],
         *,
+        contended: Callable[[], bool] = lambda: True,
         workers: Workers,
         counters: Counters,
         max_bytes: int,
@@ -69,6 +79,7 @@ class ReplicaStreamer:
     ) -> None:
         self._push = push
         self._link_bytes_per_s = link_bytes_per_s
+        self._contended = contended
         self._counters = counters
         self._max_bytes = max_bytes
         self._link_share = link_share
@@ -139,15 +150,14 @@ class ReplicaStreamer:
             self._queued_bytes -= len(old.keys) * old.layout.block_bytes
 
     def _next_chunk(self) -> tuple[str, _Stream, list[BlockKey]] | None:
-        """The next session's chunk whose target's pacing allows a send now
-        (round robin over sessions). Holds the lock."""
+        """The oldest session's chunk whose target's pacing allows a send now.
+        Holds the lock."""
         now = time.monotonic()
         for session, state in self._streams.items():
             if state.keys and self._next_send_at.get(state.target, 0.0) <= now:
                 chunk = [
                     state.keys.popleft() for _ in range(min(STREAM_CHUNK_BLOCKS, len(state.keys)))
                 ]
-                self._streams.move_to_end(session)
                 return session, state, chunk
         return None
 
@@ -180,11 +190,10 @@ class ReplicaStreamer:
             finally:
                 with self._cond:
                     self._in_flight_bytes -= nbytes
+                    # Paced by what the link carries, while other pushes share it.
                     rate = self._link_bytes_per_s(state.target) * self._link_share
-                    # Paced by what the link carries: this chunk's share of it.
-                    self._next_send_at[state.target] = started + (
-                        nbytes / rate if rate > 0 else 0.0
-                    )
+                    paced = rate > 0 and self._contended()
+                    self._next_send_at[state.target] = started + (nbytes / rate if paced else 0.0)
                     self._cond.notify_all()
             if imported is None:
                 self._counters.add("stream_errors")

@@ -142,6 +142,7 @@ class PeerTier:
             max_bytes=cfg.stream_max_bytes,
             link_share=cfg.stream_link_share,
             max_sessions=MAX_SESSIONS,
+            contended=self._pushes_running,
         )
 
     @property
@@ -364,6 +365,11 @@ class PeerTier:
 
     def spill_target(self, session: str) -> str | None:
         return rendezvous_target(session, self.members(), exclude=self.address)
+
+    def _pushes_running(self) -> bool:
+        """end_turn pushes are queued or running (the streamer paces then)."""
+        with self._lock:
+            return self._push_backlog_bytes > 0
 
     def _replicate_loop(self) -> None:
         while True:

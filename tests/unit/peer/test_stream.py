@@ -98,3 +98,53 @@ def test_a_finished_turn_leaves_what_is_queued_to_end_turn(rig) -> None:
     push.gate.set()
     assert streamer.wait_idle(WAIT_S)
     assert [len(c) for _, c, _ in push.calls] == [64]
+
+
+def test_the_oldest_stream_goes_first_chunk_after_chunk(rig) -> None:
+    streamer, push, _, _ = rig
+    push.gate.clear()  # s-old's first chunk stays in flight while the others queue
+    streamer.offer("s-old", "hostB:1", L, [k(i) for i in range(64)], True)
+    assert push.entered.wait(WAIT_S)
+    streamer.offer("s-new", "hostB:1", L, [k(i) for i in range(100, 110)], True)
+    streamer.offer("s-old", "hostB:1", L, [k(i) for i in range(64, 74)], True)
+    push.gate.set()
+    assert streamer.wait_idle(WAIT_S)
+    # Not round robin: the older session's rest before the newer one.
+    assert [s for _, _, s in push.calls] == ["s-old", "s-old", "s-new"]
+
+
+def _paced_streamer(contended: bool) -> tuple[ReplicaStreamer, FakePush, Workers]:
+    push, workers = FakePush(), Workers()
+    streamer = ReplicaStreamer(
+        push,
+        lambda target: 64 * L.block_bytes / 60.0,  # a chunk's share of the link: minutes
+        contended=lambda: contended,
+        workers=workers,
+        counters=Counters(STREAM_COUNTERS),
+        max_bytes=1000 * L.block_bytes,
+        link_share=0.5,
+        max_sessions=8,
+    )
+    return streamer, push, workers
+
+
+def test_a_link_to_itself_is_not_paced() -> None:
+    streamer, push, workers = _paced_streamer(contended=False)
+    try:
+        streamer.offer("s", "hostB:1", L, [k(i) for i in range(3 * 64)], True)
+        assert streamer.wait_idle(WAIT_S)  # three chunks, no pause between them
+        assert len(push.calls) == 3
+    finally:
+        streamer.close()
+    assert not workers.failed()
+
+
+def test_pushes_sharing_the_link_pace_the_stream() -> None:
+    streamer, push, workers = _paced_streamer(contended=True)
+    try:
+        streamer.offer("s", "hostB:1", L, [k(i) for i in range(3 * 64)], True)
+        assert not streamer.wait_idle(0.5)  # the second chunk waits its turn on the link
+        assert len(push.calls) == 1
+    finally:
+        streamer.close()
+    assert not workers.failed()
