@@ -219,6 +219,12 @@ def real_run(
     import_bytes_p50 = percentile(st.engine_import_bytes, 50)
     import_gbps = [b / t / 1e9 for b, t in zip(st.engine_import_bytes, st.engine_import_s) if t]
     memcpy = memcpy_gbps(int(import_bytes_p50)) if import_bytes_p50 else None
+    # Each import next to the memcpy of the same bytes the engine ran right
+    # after it (same process, same moment): DRAM-resident prefixes apart from
+    # those read partly from NVMe.
+    paired = list(zip(st.engine_import_s, st.engine_import_memcpy_s, st.engine_import_from_dram))
+    vs_dram = [m / t for t, m, dram in paired if t > 0 and dram]
+    vs_nvme = [m / t for t, m, dram in paired if t > 0 and not dram]
 
     busy = list(driver_busy.values())
     return {
@@ -278,6 +284,11 @@ def real_run(
         "import_p50_s_at_memcpy_scale1_equiv": (
             import_bytes_p50 / (memcpy * 1e9) / s if memcpy else None
         ),
+        "imports_from_dram": len(vs_dram),
+        "imports_partly_nvme": len(vs_nvme),
+        "import_vs_memcpy_dram_p50": q(vs_dram, 50),
+        "import_vs_memcpy_dram_p10": q(vs_dram, 10),
+        "import_vs_memcpy_nvme_p50": q(vs_nvme, 50),
         "bytes_a_to_b": fetched[1],
         "bytes_b_to_a": fetched[0],
         "wire_bytes_a_to_b": tx[0],

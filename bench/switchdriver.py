@@ -57,6 +57,8 @@ class RunStats:
     reuse: list[float] = field(default_factory=list)
     engine_import_s: list[float] = field(default_factory=list)
     engine_import_bytes: list[int] = field(default_factory=list)
+    engine_import_from_dram: list[bool] = field(default_factory=list)  # every block in DRAM
+    engine_import_memcpy_s: list[float] = field(default_factory=list)  # same bytes, right after
     send_s: list[float] = field(default_factory=list)
     import_s: list[float] = field(default_factory=list)
     tail_s: list[float] = field(default_factory=list)  # receiver: last byte -> resident
@@ -281,9 +283,11 @@ class Driver:
             if hits:
                 # The engine imports what its host holds into its slot's memory.
                 slot.send(keys[:hits])
-                loaded, load_s = slot.recv()
+                loaded, load_s, from_dram, memcpy_s = slot.recv()
                 self.stats.engine_import_s.append(load_s)
                 self.stats.engine_import_bytes.append(loaded * layout.block_bytes)
+                self.stats.engine_import_from_dram.append(from_dram == loaded)
+                self.stats.engine_import_memcpy_s.append(memcpy_s)
                 waited_s += load_s
         elif last is not None and hits < len(keys) - wl.input_max_tokens // wl.block_tokens - 1:
             self.stats.same_host_misses += 1
