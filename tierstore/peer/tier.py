@@ -23,7 +23,6 @@ to the engine.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -40,6 +39,7 @@ from tierstore.peer import codec
 from tierstore.peer.client import PeerClient
 from tierstore.peer.data import ReceiveResult, Verifier, receive_blocks
 from tierstore.peer.membership import MemberSet, PeerClients, StaticMembers
+from tierstore.peer.pushq import PushQueue
 from tierstore.peer.stream import STREAM_COUNTERS, ReplicaStreamer
 from tierstore.policies import ReplicaRequest, make_replication_policy, rendezvous_target
 from tierstore.ratelog import RateLimitedLog
@@ -127,9 +127,10 @@ class PeerTier:
         )
         self._codec_bytes_per_s = _measure_codec()
         self.verifier = Verifier()  # received blocks are verified on every core
-        self._pushes: queue.Queue[_Push | None] = queue.Queue(maxsize=cfg.replicate_queue_max)
-        # Several workers: one slow or dead target must not hold up the pushes
-        # to the others.
+        # One push in flight per target, oldest first (tierstore.peer.pushq);
+        # several workers: one slow or dead target must not hold up the
+        # pushes to the others.
+        self._pushes: PushQueue[_Push] = PushQueue(cfg.replicate_queue_max)
         self._replicators = [
             store.workers.start(f"tierstore-replicator-{i}", self._replicate_loop)
             for i in range(REPLICATOR_THREADS)
@@ -347,9 +348,7 @@ class PeerTier:
         push = _Push(session, layout, keys, target, push_bytes)
         with self._lock:
             self._push_backlog_bytes += push_bytes
-        try:
-            self._pushes.put_nowait(push)
-        except queue.Full:
+        if not self._pushes.put(push):
             with self._lock:
                 self._push_backlog_bytes -= push_bytes
             self.counters.add("pushes_dropped")
@@ -379,6 +378,7 @@ class PeerTier:
             try:
                 self._push(push)
             finally:
+                self._pushes.done(push)
                 with self._lock:
                     self._push_backlog_bytes -= push.backlog_bytes
                 push.done.set()
@@ -460,13 +460,9 @@ class PeerTier:
 
     def close(self) -> None:
         self.streamer.close()
-        while True:  # queued pushes are dropped: the process is going away
-            try:
-                self._pushes.get_nowait()
-            except queue.Empty:
-                break
-        for _ in self._replicators:
-            self._pushes.put(None)
+        for push in self._pushes.drain():  # dropped: the process is going away
+            push.done.set()
+        self._pushes.close()
         for t in self._replicators:
             t.join(timeout=self.cfg.replicate_timeout_s + 5)
         self._peers.close()
