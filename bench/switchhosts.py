@@ -174,28 +174,38 @@ def _engine_main(socket_path: str, layout: KVLayout, slot_blocks: int, conns: li
     """A host's engine process: one preallocated, touched KV buffer per slot
     (like an engine's cache pool) and one thread per slot that loads the keys
     it is sent into that buffer and answers (blocks, seconds, blocks that
-    came from DRAM, seconds of a memcpy of the same bytes). The memcpy runs
-    right after the load, in the same process and between two touched
-    buffers, so the ratio of the two sees the same machine load."""
+    came from DRAM, seconds of a memcpy of the same bytes). The memcpy is the
+    mean of one right before and one right after the load, in the same
+    thread, between touched buffers (two sources taken in turn, so neither
+    is still in the cache from the copy before): it sees the machine load
+    the load saw, whichever way that load drifted."""
     client = StoreClient(socket_path, name="engine-import")
     copy_lock = threading.Lock()
-    copy_src = np.ones(slot_blocks * layout.block_bytes, dtype=np.uint8)
+    copy_srcs = [np.ones(slot_blocks * layout.block_bytes, dtype=np.uint8) for _ in range(2)]
     copy_dst = np.ones(slot_blocks * layout.block_bytes, dtype=np.uint8)
+    turn = [0]
+
+    def memcpy_s(nbytes: int) -> float:
+        with copy_lock:
+            turn[0] ^= 1
+            src = copy_srcs[turn[0]]
+            t0 = time.perf_counter()
+            np.copyto(copy_dst[:nbytes], src[:nbytes])
+            return time.perf_counter() - t0
 
     def serve(conn: Any) -> None:
         buf = torch.from_numpy(np.ones((slot_blocks, layout.block_bytes), dtype=np.uint8))
         conn.send("ready")
         while (keys := conn.recv()) is not None:
+            before_s = memcpy_s(len(keys) * layout.block_bytes)
             t0 = time.perf_counter()
             got = client.load(layout, keys, out=buf[: len(keys)])
             load_s = time.perf_counter() - t0
-            nbytes = got.num_blocks * layout.block_bytes
-            with copy_lock:
-                t0 = time.perf_counter()
-                np.copyto(copy_dst[:nbytes], copy_src[:nbytes])
-                memcpy_s = time.perf_counter() - t0
+            after_s = memcpy_s(got.num_blocks * layout.block_bytes)
+            # The before copy moved len(keys) blocks; scale it to what was loaded.
+            before_s *= got.num_blocks / len(keys) if keys else 0.0
             dram = sum(t == TierName.DRAM for t in got.tiers)
-            conn.send((got.num_blocks, load_s, dram, memcpy_s))
+            conn.send((got.num_blocks, load_s, dram, (before_s + after_s) / 2))
 
     threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
     for t in threads:
