@@ -138,22 +138,24 @@ SCALE_OPS = {
     "acquire_us": "acquire (pin)",
     "release_us": "release a transfer's pins",
     "promote_us": "promotion from NVMe",
+    "index_probe_us": "floor: one probe of a plain dict of n keys",
 }
 
 
 def plot_scale(data: dict, out: Path) -> None:
     sizes = sorted(data["sizes"], key=int)
     held = [int(n) for n in sizes]
-    fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=120)
+    fig, ax = plt.subplots(figsize=(8.4, 3.8), dpi=120)
     for op, label in SCALE_OPS.items():
         if op in data["sizes"][sizes[0]]:
-            ax.plot(held, [data["sizes"][n][op] for n in sizes], marker="o", label=label)
+            style = "--" if op == "index_probe_us" else "-"
+            ax.plot(held, [data["sizes"][n][op] for n in sizes], style, marker="o", label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("blocks held")
     ax.set_ylabel("us per block")
     ax.set_title(f"Cost per block vs blocks held ({data['block_bytes'] // 1024} KiB blocks)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "scale.png")
