@@ -225,6 +225,13 @@ def real_run(
     paired = list(zip(st.engine_import_s, st.engine_import_memcpy_s, st.engine_import_from_dram))
     vs_dram = [m / t for t, m, dram in paired if t > 0 and dram]
     vs_nvme = [m / t for t, m, dram in paired if t > 0 and not dram]
+    # How much of a DRAM-resident import's wall time its thread was on a CPU
+    # (the rest: control-call replies, and other processes on the cores).
+    on_cpu = [
+        c / t
+        for t, c, dram in zip(st.engine_import_s, st.engine_import_cpu_s, st.engine_import_from_dram)
+        if t > 0 and dram
+    ]
 
     busy = list(driver_busy.values())
     return {
@@ -289,6 +296,7 @@ def real_run(
         "import_vs_memcpy_dram_p50": q(vs_dram, 50),
         "import_vs_memcpy_dram_p10": q(vs_dram, 10),
         "import_vs_memcpy_nvme_p50": q(vs_nvme, 50),
+        "import_on_cpu_share_dram_p50": q(on_cpu, 50),
         "bytes_a_to_b": fetched[1],
         "bytes_b_to_a": fetched[0],
         "wire_bytes_a_to_b": tx[0],

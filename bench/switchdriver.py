@@ -58,7 +58,8 @@ class RunStats:
     engine_import_s: list[float] = field(default_factory=list)
     engine_import_bytes: list[int] = field(default_factory=list)
     engine_import_from_dram: list[bool] = field(default_factory=list)  # every block in DRAM
-    engine_import_memcpy_s: list[float] = field(default_factory=list)  # same bytes, right after
+    engine_import_memcpy_s: list[float] = field(default_factory=list)  # same bytes, around it
+    engine_import_cpu_s: list[float] = field(default_factory=list)  # the loading thread on a CPU
     send_s: list[float] = field(default_factory=list)
     import_s: list[float] = field(default_factory=list)
     tail_s: list[float] = field(default_factory=list)  # receiver: last byte -> resident
@@ -283,7 +284,8 @@ class Driver:
             if hits:
                 # The engine imports what its host holds into its slot's memory.
                 slot.send(keys[:hits])
-                loaded, load_s, from_dram, memcpy_s = slot.recv()
+                loaded, load_s, from_dram, memcpy_s, cpu_s = slot.recv()
+                self.stats.engine_import_cpu_s.append(cpu_s)
                 self.stats.engine_import_s.append(load_s)
                 self.stats.engine_import_bytes.append(loaded * layout.block_bytes)
                 self.stats.engine_import_from_dram.append(from_dram == loaded)

@@ -174,7 +174,8 @@ def _engine_main(socket_path: str, layout: KVLayout, slot_blocks: int, conns: li
     """A host's engine process: one preallocated, touched KV buffer per slot
     (like an engine's cache pool) and one thread per slot that loads the keys
     it is sent into that buffer and answers (blocks, seconds, blocks that
-    came from DRAM, seconds of a memcpy of the same bytes). The memcpy is the
+    came from DRAM, seconds of a memcpy of the same bytes, seconds the
+    loading thread was on a CPU). The memcpy is the
     mean of one right before and one right after the load, in the same
     thread, between touched buffers (two sources taken in turn, so neither
     is still in the cache from the copy before): it sees the machine load
@@ -198,14 +199,14 @@ def _engine_main(socket_path: str, layout: KVLayout, slot_blocks: int, conns: li
         conn.send("ready")
         while (keys := conn.recv()) is not None:
             before_s = memcpy_s(len(keys) * layout.block_bytes)
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             got = client.load(layout, keys, out=buf[: len(keys)])
-            load_s = time.perf_counter() - t0
+            load_s, cpu_s = time.perf_counter() - t0, time.thread_time() - cpu0
             after_s = memcpy_s(got.num_blocks * layout.block_bytes)
             # The before copy moved len(keys) blocks; scale it to what was loaded.
             before_s *= got.num_blocks / len(keys) if keys else 0.0
             dram = sum(t == TierName.DRAM for t in got.tiers)
-            conn.send((got.num_blocks, load_s, dram, (before_s + after_s) / 2))
+            conn.send((got.num_blocks, load_s, dram, (before_s + after_s) / 2, cpu_s))
 
     threads = [threading.Thread(target=serve, args=(c,)) for c in conns]
     for t in threads:
