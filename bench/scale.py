@@ -165,7 +165,7 @@ def one_round(rig: Rig, ops: int, m: int, data: memoryview) -> None:
                 [index.get(k, False) for k in batch]
 
     rig.keep("index_probe_us", timed(probes), m * passes)
-    del index
+    index.clear()
     got: list[int] = []
     rig.keep(
         "acquire_us",

@@ -227,11 +227,8 @@ def real_run(
     vs_nvme = [m / t for t, m, dram in paired if t > 0 and not dram]
     # How much of a DRAM-resident import's wall time its thread was on a CPU
     # (the rest: control-call replies, and other processes on the cores).
-    on_cpu = [
-        c / t
-        for t, c, dram in zip(st.engine_import_s, st.engine_import_cpu_s, st.engine_import_from_dram)
-        if t > 0 and dram
-    ]
+    timed = zip(st.engine_import_s, st.engine_import_cpu_s, st.engine_import_from_dram)
+    on_cpu = [c / t for t, c, dram in timed if t > 0 and dram]
 
     busy = list(driver_busy.values())
     return {

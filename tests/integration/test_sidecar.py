@@ -78,14 +78,14 @@ def test_a_loads_release_comes_before_the_clients_next_call(
         real = client._stub.Release
 
         class Lost(grpc.RpcError, grpc.Future):  # a release the sidecar never saw
-            def result(self, timeout=None):  # noqa: ANN001, ANN201
+            def result(self, timeout=None):
                 raise self
 
             def done(self) -> bool:
                 return True
 
         class FailingRelease:
-            def future(self, request, timeout):  # noqa: ANN001, ANN201
+            def future(self, request, timeout):
                 return Lost()
 
         client._stub.Release = FailingRelease()

@@ -478,7 +478,9 @@ class StoreClient:
                 future.result()
             except grpc.RpcError as e:
                 self.release_errors += 1
-                log.warning("release: %s (pins kept until this client detaches)", rpc_error(e, "release"))
+                log.warning(
+                    "release: %s (pins kept until this client detaches)", rpc_error(e, "release")
+                )
         with self._releases_lock:
             self._releases = [f for f in self._releases if not f.done()]
 

@@ -13,8 +13,20 @@ from tierstore.memory import memcopy
 
 # Around the C loop's edges: the 256 KiB streaming floor, its four-page
 # (16 KiB) groups and the tail after the last whole group.
-SIZES = [0, 1, 15, 63, 64, 65, 4095, 64 << 10, (256 << 10) - 1, 256 << 10, (2 << 20) + 7,
-         (256 << 10) + 3 * 16384 + 4095]
+SIZES = [
+    0,
+    1,
+    15,
+    63,
+    64,
+    65,
+    4095,
+    64 << 10,
+    (256 << 10) - 1,
+    256 << 10,
+    (2 << 20) + 7,
+    (256 << 10) + 3 * 16384 + 4095,
+]
 
 
 @pytest.fixture(params=["c", "numpy"])
