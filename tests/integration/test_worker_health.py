@@ -94,7 +94,7 @@ def test_a_dead_demoter_is_visible(sidecar: Sidecar, caplog, monkeypatch) -> Non
         raise Bug("demoter")
 
     store = sidecar.store
-    monkeypatch.setattr(store, "_take_victims", broken)
+    monkeypatch.setattr(store.demoter, "_take_victims", broken)
     keys = chain_keys(SMALL_LAYOUT, np.arange(SMALL_LAYOUT.block_tokens * 120))
     with caplog.at_level("ERROR", logger="tierstore.workers"):
         # Past the high watermark: the demoter wakes and calls the broken method.

@@ -7,14 +7,15 @@ to DRAM on hit and pin), forced ``demote`` and ``drop``, ``stat``.
 
 The remote tier (``tierstore.store.remote``, when ``remote_url`` is set)
 hangs off ``self.remote`` and is touched in few places, each marked
-"remote tier": victims leaving DRAM are offered to it in ``_spill``;
+"remote tier": victims leaving DRAM are offered to it by the demoter;
 ``lookup_remote`` / ``pull_remote`` / ``end_turn_remote`` are what the
 services call after the local tiers and peers; ``stat`` and ``close``.
 
 Threads: any number of caller threads; one background *demoter* thread that
 spills least-valuable DRAM blocks to NVMe once DRAM usage passes the high
-watermark, until it is under the low one. A caller that finds DRAM full
-evicts synchronously. With a write-through policy, ``tierstore.store.writer``
+watermark, until it is under the low one (``tierstore.store.demoter``: the
+victims, the spill, the thread). A caller that finds DRAM full evicts
+synchronously. With a write-through policy, ``tierstore.store.writer``
 also copies chosen blocks to NVMe soon after their commit (its own worker),
 and ``drain`` writes what is DRAM-only on a graceful stop. Eviction is
 serialised by one lock; promotion from NVMe (several reads in flight,
@@ -46,8 +47,8 @@ from tierstore.policies import (
     make_eviction_policy,
     make_write_policy,
 )
-from tierstore.ratelog import RateLimitedLog
 from tierstore.store.base import Tier
+from tierstore.store.demoter import DEMOTER_COUNTERS, Demoter
 from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier, ReserveStatus
 from tierstore.store.events import BlockEventLog
 from tierstore.store.hasher import HASHER_COUNTERS, CommitHasher
@@ -61,7 +62,6 @@ from tierstore.tiers import TIER_BY_CODE, TIER_CODES, TierName, TierStats
 from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
-_faults = RateLimitedLog(log)
 POPULATOR_NICE = 10  # the arena populator thread's niceness (Linux: per thread)
 # stat()["store"] figures that go down too (gauges for /metrics).
 STORE_GAUGES = (
@@ -117,10 +117,7 @@ STORE_COUNTERS = (
     *PROMOTER_COUNTERS,
     *HASHER_COUNTERS,
     "digests_computed",  # blake3 passes over DRAM blocks (hash once: one per block)
-    "spilled_blocks",
-    "spill_skipped_admission",
-    "spill_failures",
-    "dropped_blocks",
+    *DEMOTER_COUNTERS,
 )
 
 
@@ -192,12 +189,9 @@ class TieredStore:
         self.events.on_removed = self._note_removed
         if self.nvme is not None:
             self.nvme.events = self.events
-        self._admission = make_admission_policy(config.nvme_admission)
-        self._admission_lock = threading.Lock()
         self._layouts: dict[bytes, KVLayout] = {}
         self._layouts_lock = threading.Lock()
         self.counters = Counters(STORE_COUNTERS)
-        self._evict_lock = threading.Lock()
         self.promoter = Promoter(
             self.nvme,
             self.dram,
@@ -211,14 +205,10 @@ class TieredStore:
         # Blocks imported for other hosts (kv_share): evicted before the
         # host's own blocks and bounded by a budget.
         self.replicas = ReplicaLedger()
-        self._retention = ReplicaRetention(config.replica_live_s)
         if self.nvme is not None:
             # and on NVMe too (a bounded batch of them per write batch: the
             # policy's order takes over after it)
             self.nvme.evict_first = lambda: self.replicas.oldest(4 * config.demote_batch_blocks)
-        self._high_bytes = int(config.dram_high_watermark * self.dram.allocator.capacity_bytes)
-        self._low_bytes = int(config.dram_low_watermark * self.dram.allocator.capacity_bytes)
-        self._wake = threading.Condition()
         self._closing = False
         self.hasher: CommitHasher | None = None
         if config.hash_queue_blocks > 0:
@@ -228,7 +218,22 @@ class TieredStore:
                 counters=self.counters,
                 queue_blocks=config.hash_queue_blocks,
             )
-        self._demoter = self.workers.start("tierstore-demoter", self._demote_loop)
+        capacity = self.dram.allocator.capacity_bytes
+        self.demoter = Demoter(
+            self.dram,
+            self.nvme,
+            self.remote,
+            self.replicas,
+            retention=ReplicaRetention(config.replica_live_s),
+            admission=make_admission_policy(config.nvme_admission),
+            digest=self.digest,
+            counters=self.counters,
+            batch_blocks=config.demote_batch_blocks,
+            high_bytes=int(config.dram_high_watermark * capacity),
+            low_bytes=int(config.dram_low_watermark * capacity),
+            poll_s=config.demoter_poll_s,
+            workers=self.workers,
+        )
         self.write_policy = make_write_policy(config.write_policy, config.write_through_min_tokens)
         self.writer: NvmeWriter | None = None
         if self.nvme is not None and self.write_policy.name != "write_back":
@@ -534,8 +539,7 @@ class TieredStore:
     def demote(self, keys: Sequence[BlockKey]) -> int:
         """Move committed, unpinned blocks out of DRAM now (spilled to NVMe
         when admitted). Returns how many left DRAM."""
-        with self._evict_lock:
-            return self._spill(self.dram.take(check_keys(keys)))
+        return self.demoter.demote(check_keys(keys))
 
     def drop(
         self, keys: Sequence[BlockKey], tiers: Sequence[TierName] = (TierName.DRAM, TierName.NVME)
@@ -545,104 +549,11 @@ class TieredStore:
         return sum(t.remove(keys) for t in self.tiers() if t.name in tiers)
 
     def make_room(self, nbytes: int, count: int = 1) -> bool:
-        """Evict synchronously until a slot of ``nbytes`` fits, evicting room
-        for up to ``count`` such slots in the first batch (a caller with many
-        blocks to place evicts once, not once per block). False if no slot fits."""
-        if nbytes > self.dram.allocator.capacity_bytes:
-            return False  # would never fit: evict nothing
-        with self._evict_lock:
-            free_bytes = self.dram.allocator.capacity_bytes - self.dram.used_bytes()
-            want = nbytes * max(1, count) - free_bytes
-            while want > 0 or not self.dram.can_fit(nbytes):
-                victims = self._take_victims(max(want, nbytes))
-                if not victims:
-                    return self.dram.can_fit(nbytes)
-                want -= sum(v.nbytes for v in victims)
-                self._spill(victims)
-            return True
-
-    def _take_victims(self, want_bytes: int) -> list[DramEntry]:
-        """DRAM victims for ``want_bytes``: replicas no longer live first
-        (``ReplicaRetention``), then the policy's order (live replicas keep
-        their recency place in it), a batch at most."""
-        batch = self.config.demote_batch_blocks
-        victims: list[DramEntry] = []
-        freed = 0
-        if self.replicas:
-            now = time.monotonic()
-            stale = [
-                k
-                for k, age in self.replicas.oldest_aged(batch, now)
-                if self._retention.evict_before_own(age)
-            ]
-            for victim in self.dram.take(stale):
-                if freed >= want_bytes:
-                    self.dram.untake(victim)
-                    continue
-                victims.append(victim)
-                freed += victim.nbytes
-        if freed < want_bytes and len(victims) < batch:
-            victims += self.dram.take_victims(want_bytes - freed, batch - len(victims))
-        return victims
-
-    def _spill(self, victims: list[DramEntry]) -> int:
-        """Write victims to NVMe (unless already there or not admitted), then
-        free their DRAM slots. Caller holds ``_evict_lock``."""
-        if not victims:
-            return 0
-        if self.nvme is not None:
-            held = self.nvme.contains([v.key for v in victims])
-            to_write = []
-            skipped = 0
-            with self._admission_lock:
-                for victim, present in zip(victims, held):
-                    if present:
-                        continue
-                    if self._admission.admit(victim.key):
-                        to_write.append(victim)
-                    else:
-                        skipped += 1
-            if skipped:
-                self.counters.add("spill_skipped_admission", skipped)
-            if to_write:
-                # The digest travels with the block: computed now only if the
-                # hasher has not reached it yet (still once: it stays with the entry).
-                ok = self.nvme.write_many(
-                    [(v.key, v.layout_fp, self.dram.view(v)) for v in to_write],
-                    digests=[self.digest(v) for v in to_write],
-                )
-                written = sum(ok)
-                self.counters.add_many(
-                    {"spilled_blocks": written, "spill_failures": len(ok) - written}
-                )
-                if written < len(ok):
-                    _faults.warning(
-                        "spill",
-                        "spill to NVMe failed for %d of %d blocks (dropped from DRAM: "
-                        "misses later); see the NVMe tier's write failures",
-                        len(ok) - written,
-                        len(ok),
-                    )
-        if self.remote is not None:  # remote tier: write back what leaves DRAM
-            self._offer_remote(victims)
-        dropped = self.dram.drop_many(victims)
-        self.counters.add("dropped_blocks", dropped)
-        return dropped
+        """Evict synchronously until a slot of ``nbytes`` fits (room for up to
+        ``count`` of them); False if no slot fits (``Demoter.make_room``)."""
+        return self.demoter.make_room(nbytes, count)
 
     # -- remote tier -------------------------------------------------------------------
-
-    def _offer_remote(self, victims: list[DramEntry]) -> None:
-        remote = self.remote
-        assert remote is not None
-        for v in victims:
-            if remote.placement.on_demote(v.key):
-                digest = v.digest
-                if digest is None and self.nvme is not None:
-                    meta = self.nvme.meta(v.key)
-                    digest = meta.digest if meta is not None else None
-                if digest is None:  # hash once: kept with the block from now on
-                    digest = self.digest(v)
-                remote.offer(v.layout_fp, v.key, self.dram.view(v), digest)
 
     def _remote_source(self, layout: KVLayout, key: BlockKey, out: memoryview) -> bytes | None:
         """Copy a held block into ``out`` for a write-through upload; its digest or None."""
@@ -700,25 +611,7 @@ class TieredStore:
         return True if self.remote is None else self.remote.flush(timeout_s)
 
     def maybe_wake_demoter(self) -> None:
-        if self.dram.used_bytes() > self._high_bytes:
-            with self._wake:
-                self._wake.notify()
-
-    def _demote_loop(self) -> None:
-        while True:
-            with self._wake:
-                if self._closing:
-                    return
-                if self.dram.used_bytes() <= self._high_bytes:
-                    self._wake.wait(timeout=self.config.demoter_poll_s)
-                if self._closing:
-                    return
-            while self.dram.used_bytes() > self._low_bytes and not self._closing:
-                with self._evict_lock:
-                    victims = self._take_victims(self.dram.used_bytes() - self._low_bytes)
-                    if not victims:
-                        break
-                    self._spill(victims)
+        self.demoter.wake()
 
     def _populate(self) -> None:
         # Background work: serving threads come first on a busy host.
@@ -807,7 +700,7 @@ class TieredStore:
             self.writer.close()
         if self.nvme is None:
             return DrainReport(budget_s=budget_s)
-        with self._evict_lock:  # no spill races the drain for the same blocks
+        with self.demoter.lock:  # no spill races the drain for the same blocks
             report = drain(self.dram, self.nvme, budget_s, self.config.demote_batch_blocks)
         (log.warning if report.dropped_blocks else log.info)("%s", report.line())
         report.save(self.nvme.root)
@@ -817,12 +710,10 @@ class TieredStore:
     def close(self) -> None:
         """Stop the demoter and the writer, close NVMe (index flushed) and the
         arena. Idempotent."""
-        with self._wake:
-            if self._closing:
-                return
-            self._closing = True
-            self._wake.notify_all()
-        self._demoter.join(timeout=30)
+        if self._closing:
+            return
+        self._closing = True
+        self.demoter.close()
         if self.writer is not None:
             self.writer.close()
         if self.remote is not None:  # remote tier: its writer still reads DRAM and NVMe
@@ -830,7 +721,7 @@ class TieredStore:
         if self.hasher is not None:
             self.hasher.close()
         self.promoter.close()
-        with self._evict_lock:
+        with self.demoter.lock:
             if self.nvme is not None:
                 self.nvme.close()
             self.dram.close()

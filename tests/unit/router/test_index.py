@@ -200,7 +200,7 @@ def test_snapshot_plus_replay_equals_what_the_tiers_hold(
                                       keys=tkeys, epoch=epoch), 0.0)  # fmt: skip
                 synced_seq = seq
         deadline = time.monotonic() + 10
-        while store.dram.used_bytes() > store._high_bytes and time.monotonic() < deadline:
+        while store.dram.used_bytes() > store.demoter.high_bytes and time.monotonic() < deadline:
             time.sleep(0.01)  # let the demoter settle
         idx.apply("h", ev(peer_pb2.BLOCK_OP_SYNCED, seq=synced_seq, epoch=epoch), 0.0)
         for msg in _as_messages(store, epoch, synced_seq):

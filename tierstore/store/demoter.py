@@ -1,0 +1,213 @@
+"""Moving blocks out of DRAM: choosing victims, spilling them, the demoter thread.
+
+Provides ``Demoter``. The tiered store makes one and asks it to make room
+(a caller that finds DRAM full evicts synchronously), to demote chosen
+blocks, and to wake when DRAM passes the high watermark; its thread
+("tierstore-demoter") then spills least-valuable blocks until DRAM is under
+the low watermark.
+
+A victim leaves DRAM after it is written to NVMe (unless NVMe holds it
+already or the admission policy refuses it) and offered to the remote tier
+when there is one; its digest goes with it (computed now only if the hasher
+has not reached it yet). Replicas no longer live go first
+(``ReplicaRetention``), then the DRAM eviction policy's order, a bounded
+batch per pass. Eviction is serialised by ``lock``, which the store also
+holds for a drain and at close.
+
+Collaborators are explicit (the tiers, the replica ledger, the policies,
+the digest function, the store's counters): it never calls back into the
+store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from tierstore.counters import Counters
+from tierstore.keys import BlockKey
+from tierstore.policies import AdmissionPolicy, ReplicaRetention
+from tierstore.ratelog import RateLimitedLog
+from tierstore.store.dram import DramEntry, DramTier
+from tierstore.store.nvme import NvmeTier
+from tierstore.store.remote import RemoteTier
+from tierstore.store.replicas import ReplicaLedger
+from tierstore.workers import Workers
+
+log = logging.getLogger(__name__)
+_faults = RateLimitedLog(log)
+DEMOTER_COUNTERS = ("spilled_blocks", "spill_failures", "spill_skipped_admission", "dropped_blocks")
+
+
+class Demoter:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        dram: DramTier,
+        nvme: NvmeTier | None,
+        remote: RemoteTier | None,
+        replicas: ReplicaLedger,
+        *,
+        retention: ReplicaRetention,
+        admission: AdmissionPolicy,
+        digest: Callable[[DramEntry], bytes],
+        counters: Counters,
+        batch_blocks: int,
+        high_bytes: int,
+        low_bytes: int,
+        poll_s: float,
+        workers: Workers,
+    ) -> None:
+        self.dram = dram
+        self.nvme = nvme
+        self.remote = remote
+        self.replicas = replicas
+        self._retention = retention
+        self._admission = admission
+        self._admission_lock = threading.Lock()
+        self._digest = digest
+        self.counters = counters
+        self._batch_blocks = batch_blocks
+        self.high_bytes = high_bytes
+        self.low_bytes = low_bytes
+        self._poll_s = poll_s
+        self.lock = threading.Lock()  # serialises eviction
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread = workers.start("tierstore-demoter", self._loop)
+
+    def make_room(self, nbytes: int, count: int = 1) -> bool:
+        """Evict synchronously until a slot of ``nbytes`` fits, evicting room
+        for up to ``count`` such slots in the first batch (a caller with many
+        blocks to place evicts once, not once per block). False if no slot fits."""
+        if nbytes > self.dram.allocator.capacity_bytes:
+            return False  # would never fit: evict nothing
+        with self.lock:
+            free_bytes = self.dram.allocator.capacity_bytes - self.dram.used_bytes()
+            want = nbytes * max(1, count) - free_bytes
+            while want > 0 or not self.dram.can_fit(nbytes):
+                victims = self._take_victims(max(want, nbytes))
+                if not victims:
+                    return self.dram.can_fit(nbytes)
+                want -= sum(v.nbytes for v in victims)
+                self._spill(victims)
+            return True
+
+    def demote(self, keys: list[BlockKey]) -> int:
+        """Move these committed, unpinned blocks out of DRAM now (spilled to
+        NVMe when admitted). Returns how many left DRAM."""
+        with self.lock:
+            return self._spill(self.dram.take(keys))
+
+    def wake(self) -> None:
+        """DRAM may have passed the high watermark: the thread looks."""
+        if self.dram.used_bytes() > self.high_bytes:
+            with self._wake:
+                self._wake.notify()
+
+    def close(self) -> None:
+        """Stop the thread (it ends its current batch first). Idempotent."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify_all()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                if self._closing:
+                    return
+                if self.dram.used_bytes() <= self.high_bytes:
+                    self._wake.wait(timeout=self._poll_s)
+                if self._closing:
+                    return
+            while self.dram.used_bytes() > self.low_bytes and not self._closing:
+                with self.lock:
+                    victims = self._take_victims(self.dram.used_bytes() - self.low_bytes)
+                    if not victims:
+                        break
+                    self._spill(victims)
+
+    def _take_victims(self, want_bytes: int) -> list[DramEntry]:
+        """DRAM victims for ``want_bytes``: replicas no longer live first
+        (``ReplicaRetention``), then the policy's order (live replicas keep
+        their recency place in it), a batch at most."""
+        batch = self._batch_blocks
+        victims: list[DramEntry] = []
+        freed = 0
+        if self.replicas:
+            now = time.monotonic()
+            stale = [
+                k
+                for k, age in self.replicas.oldest_aged(batch, now)
+                if self._retention.evict_before_own(age)
+            ]
+            for victim in self.dram.take(stale):
+                if freed >= want_bytes:
+                    self.dram.untake(victim)
+                    continue
+                victims.append(victim)
+                freed += victim.nbytes
+        if freed < want_bytes and len(victims) < batch:
+            victims += self.dram.take_victims(want_bytes - freed, batch - len(victims))
+        return victims
+
+    def _spill(self, victims: list[DramEntry]) -> int:
+        """Write victims to NVMe (unless already there or not admitted), then
+        free their DRAM slots. Caller holds ``lock``."""
+        if not victims:
+            return 0
+        if self.nvme is not None:
+            held = self.nvme.contains([v.key for v in victims])
+            to_write = []
+            skipped = 0
+            with self._admission_lock:
+                for victim, present in zip(victims, held):
+                    if present:
+                        continue
+                    if self._admission.admit(victim.key):
+                        to_write.append(victim)
+                    else:
+                        skipped += 1
+            if skipped:
+                self.counters.add("spill_skipped_admission", skipped)
+            if to_write:
+                # The digest travels with the block: computed now only if the
+                # hasher has not reached it yet (still once: it stays with the entry).
+                ok = self.nvme.write_many(
+                    [(v.key, v.layout_fp, self.dram.view(v)) for v in to_write],
+                    digests=[self._digest(v) for v in to_write],
+                )
+                written = sum(ok)
+                self.counters.add_many(
+                    {"spilled_blocks": written, "spill_failures": len(ok) - written}
+                )
+                if written < len(ok):
+                    _faults.warning(
+                        "spill",
+                        "spill to NVMe failed for %d of %d blocks (dropped from DRAM: "
+                        "misses later); see the NVMe tier's write failures",
+                        len(ok) - written,
+                        len(ok),
+                    )
+        if self.remote is not None:  # remote tier: write back what leaves DRAM
+            self._offer_remote(victims)
+        dropped = self.dram.drop_many(victims)
+        self.counters.add("dropped_blocks", dropped)
+        return dropped
+
+    def _offer_remote(self, victims: list[DramEntry]) -> None:
+        remote = self.remote
+        assert remote is not None
+        for v in victims:
+            if remote.placement.on_demote(v.key):
+                digest = v.digest
+                if digest is None and self.nvme is not None:
+                    meta = self.nvme.meta(v.key)
+                    digest = meta.digest if meta is not None else None
+                if digest is None:  # hash once: kept with the block from now on
+                    digest = self._digest(v)
+                remote.offer(v.layout_fp, v.key, self.dram.view(v), digest)
