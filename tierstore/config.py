@@ -31,6 +31,23 @@ else:  # pragma: no cover - exercised on 3.10 only
 ENV_PREFIX = "TIERSTORE_"
 
 
+def _at_least(cfg: object, bound: int, *names: str) -> None:
+    """ConfigError naming the first of ``names`` whose value is not >= ``bound``
+    (NaN included)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not value >= bound:
+            raise ConfigError(f"{name} must be >= {bound}, got {value}")
+
+
+def _positive(cfg: object, *names: str) -> None:
+    """ConfigError naming the first of ``names`` whose value is not > 0 (NaN included)."""
+    for name in names:
+        value = getattr(cfg, name)
+        if not value > 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "tierstore"
@@ -76,48 +93,32 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if self.dram_bytes <= 0:
             raise ConfigError(f"dram_bytes must be positive, got {self.dram_bytes}")
-        if self.nvme_bytes < 0:
-            raise ConfigError(f"nvme_bytes must be >= 0, got {self.nvme_bytes}")
+        _at_least(self, 0, "nvme_bytes")
         if not 0.0 < self.dram_low_watermark < self.dram_high_watermark <= 1.0:
             raise ConfigError(
                 "watermarks must satisfy 0 < dram_low_watermark < dram_high_watermark <= 1, "
                 f"got low={self.dram_low_watermark} high={self.dram_high_watermark}"
             )
-        if self.demote_batch_blocks < 1:
-            raise ConfigError(f"demote_batch_blocks must be >= 1, got {self.demote_batch_blocks}")
-        if self.nvme_read_depth < 1:
-            raise ConfigError(f"nvme_read_depth must be >= 1, got {self.nvme_read_depth}")
-        if self.promote_wait_s <= 0:
-            raise ConfigError(f"promote_wait_s must be > 0, got {self.promote_wait_s}")
-        if self.demoter_poll_s <= 0:
-            raise ConfigError(f"demoter_poll_s must be > 0, got {self.demoter_poll_s}")
-        if self.event_log_keys < 1:
-            raise ConfigError(f"event_log_keys must be >= 1, got {self.event_log_keys}")
+        _at_least(self, 1, "demote_batch_blocks")
+        _at_least(self, 1, "nvme_read_depth")
+        _positive(self, "promote_wait_s")
+        _positive(self, "demoter_poll_s")
+        _at_least(self, 1, "event_log_keys")
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(
                 f"write_policy must be one of {', '.join(WRITE_POLICIES)}, "
                 f"got {self.write_policy!r}"
             )
-        if self.write_queue_bytes < 1:
-            raise ConfigError(f"write_queue_bytes must be >= 1, got {self.write_queue_bytes}")
-        if self.write_through_min_tokens < 1:
-            raise ConfigError(
-                f"write_through_min_tokens must be >= 1, got {self.write_through_min_tokens}"
-            )
-        if self.nvme_index_reserve_bytes < 0:
-            raise ConfigError(
-                f"nvme_index_reserve_bytes must be >= 0, got {self.nvme_index_reserve_bytes}"
-            )
-        if self.nvme_full_backoff_s <= 0:
-            raise ConfigError(f"nvme_full_backoff_s must be > 0, got {self.nvme_full_backoff_s}")
+        _at_least(self, 1, "write_queue_bytes")
+        _at_least(self, 1, "write_through_min_tokens")
+        _at_least(self, 0, "nvme_index_reserve_bytes")
+        _positive(self, "nvme_full_backoff_s")
         if self.dram_populate not in ("background", "upfront"):
             raise ConfigError(
                 f"dram_populate must be background or upfront, got {self.dram_populate!r}"
             )
-        if self.replica_live_s < 0:
-            raise ConfigError(f"replica_live_s must be >= 0, got {self.replica_live_s}")
-        if self.hash_queue_blocks < 0:
-            raise ConfigError(f"hash_queue_blocks must be >= 0, got {self.hash_queue_blocks}")
+        _at_least(self, 0, "replica_live_s")
+        _at_least(self, 0, "hash_queue_blocks")
 
 
 @dataclass(frozen=True)
@@ -148,20 +149,17 @@ class ServerConfig:
             )
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
-        for name in (
+        _at_least(
+            self,
+            1,
             "max_clients",
             "rpc_threads",
             "max_batch_keys",
             "prefetch_threads",
             "prefetch_queue_max",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.shutdown_drain_s < 0:
-            raise ConfigError(f"shutdown_drain_s must be >= 0, got {self.shutdown_drain_s}")
-        for name in ("keepalive_s", "prefetch_max_wait_s", "shutdown_grace_s", "load_ttl_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        )
+        _at_least(self, 0, "shutdown_drain_s")
+        _positive(self, "keepalive_s", "prefetch_max_wait_s", "shutdown_grace_s", "load_ttl_s")
         if len(self.socket_path.encode()) > 100:
             raise ConfigError(
                 f"socket_path is {len(self.socket_path.encode())} bytes; Unix sockets allow "
@@ -217,27 +215,26 @@ class PeerConfig:
             raise ConfigError(f"compression must be auto, none or zstd, got {self.compression!r}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ConfigError("tls_cert_file and tls_key_file must be set together")
-        if self.replica_bytes < 0:
-            raise ConfigError(f"replica_bytes must be >= 0, got {self.replica_bytes}")
+        _at_least(self, 0, "replica_bytes")
         if self.replicate_policy not in ("headroom", "kv_share"):
             raise ConfigError(
                 f"replicate_policy must be headroom or kv_share, got {self.replicate_policy!r}"
             )
         if not 0.0 < self.stream_link_share <= 1.0:
             raise ConfigError(f"stream_link_share must be in (0, 1], got {self.stream_link_share}")
-        if self.stream_max_bytes < 0:
-            raise ConfigError(f"stream_max_bytes must be >= 0, got {self.stream_max_bytes}")
-        for name in (
+        _at_least(self, 0, "stream_max_bytes")
+        _at_least(
+            self,
+            1,
             "min_tokens",
             "max_transfers",
             "replicate_queue_max",
             "max_watchers",
             "peer_max_rpcs",
             "peer_rpc_threads",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in (
+        )
+        _positive(
+            self,
             "peer_lookup_timeout_s",
             "fetch_timeout_s",
             "replicate_timeout_s",
@@ -246,9 +243,7 @@ class PeerConfig:
             "membership_refresh_s",
             "replicate_headroom_s",
             "link_bytes_per_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        )
         if self.membership_ttl_s < 2 or self.membership_ttl_s != int(self.membership_ttl_s):
             raise ConfigError(
                 f"membership_ttl_s must be a whole number of seconds >= 2 (etcd leases), "
@@ -361,9 +356,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 < self.router_port < 65536:
             raise ConfigError(f"router_port must be in [1, 65535], got {self.router_port}")
-        if self.router_rpc_threads < 1:
-            raise ConfigError(f"router_rpc_threads must be >= 1, got {self.router_rpc_threads}")
-        for name in (
+        _at_least(self, 1, "router_rpc_threads")
+        _positive(
+            self,
             "router_lookup_timeout_s",
             "router_stale_s",
             "prefill_tokens_per_s",
@@ -371,11 +366,8 @@ class RouterConfig:
             "nvme_load_bytes_per_s",
             "peer_load_bytes_per_s",
             "turn_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.spill_tie_s < 0:
-            raise ConfigError(f"spill_tie_s must be >= 0, got {self.spill_tie_s}")
+        )
+        _at_least(self, 0, "spill_tie_s")
         for addr in self.router_hosts:
             _check_address(addr, "router_hosts")
 
@@ -425,13 +417,14 @@ class RemoteConfig:
                 "remote_placement must be write_back, write_through or both, "
                 f"got {self.remote_placement!r}"
             )
-        if self.remote_bytes < 0:
-            raise ConfigError(f"remote_bytes must be >= 0, got {self.remote_bytes}")
+        _at_least(self, 0, "remote_bytes")
         if not 0.0 < self.remote_gc_low_watermark <= 1.0:
             raise ConfigError(
                 f"remote_gc_low_watermark must be in (0, 1], got {self.remote_gc_low_watermark}"
             )
-        for name in (
+        _at_least(
+            self,
+            1,
             "remote_gc_max_objects",
             "remote_min_tokens",
             "remote_upload_queue_bytes",
@@ -441,12 +434,10 @@ class RemoteConfig:
             "remote_lookup_window_blocks",
             "remote_manifest_every_blocks",
             "remote_cache_keys",
-        ):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.remote_max_retries < 0:
-            raise ConfigError(f"remote_max_retries must be >= 0, got {self.remote_max_retries}")
-        for name in (
+        )
+        _at_least(self, 0, "remote_max_retries")
+        _positive(
+            self,
             "remote_gc_interval_s",
             "remote_lookup_timeout_s",
             "remote_fetch_timeout_s",
@@ -455,13 +446,8 @@ class RemoteConfig:
             "remote_retry_backoff_s",
             "remote_cache_ttl_s",
             "remote_upload_give_up_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.remote_flush_on_close_s < 0:
-            raise ConfigError(
-                f"remote_flush_on_close_s must be >= 0, got {self.remote_flush_on_close_s}"
-            )
+        )
+        _at_least(self, 0, "remote_flush_on_close_s")
 
 
 SECTIONS: dict[str, type] = {
