@@ -81,6 +81,9 @@ def test_a_loads_release_comes_before_the_clients_next_call(
             def result(self, timeout=None):
                 raise self
 
+            def exception(self, timeout=None):
+                return self
+
             def done(self) -> bool:
                 return True
 

@@ -460,29 +460,35 @@ class StoreClient:
         control call of this client waits for the releases sent before it
         (``_settle_releases``), so what it sees or does comes after them."""
         if keys and self.connected:
-            self._settle_releases()
+            # Several releases in a row go out together; at most one per
+            # acquire made since the last control call is in flight.
             future = self._stub.Release.future(self._req(layout, keys), timeout=self.call_timeout_s)
             with self._releases_lock:
                 self._releases.append(future)
 
     def _settle_releases(self) -> None:
         """Wait for the releases in flight (each within the call timeout). A
-        failed one is logged and counted (``release_errors``): its pins stay
-        until this client detaches, when the sidecar drops them all."""
+        failed one is logged and counted (``release_errors``) once, by the
+        thread that takes it off the list: its pins stay until this client
+        detaches, when the sidecar drops them all."""
         if not self._releases:
             return
         with self._releases_lock:
             pending = list(self._releases)
         for future in pending:
-            try:
-                future.result()
-            except grpc.RpcError as e:
+            future.exception()  # waits; bounded by the call's own timeout
+        with self._releases_lock:
+            waited = {id(f) for f in pending}
+            mine = [f for f in self._releases if id(f) in waited]
+            self._releases = [f for f in self._releases if id(f) not in waited]
+        for future in mine:
+            error = future.exception()
+            if isinstance(error, grpc.RpcError):
                 self.release_errors += 1
                 log.warning(
-                    "release: %s (pins kept until this client detaches)", rpc_error(e, "release")
+                    "release: %s (pins kept until this client detaches)",
+                    rpc_error(error, "release"),
                 )
-        with self._releases_lock:
-            self._releases = [f for f in self._releases if not f.done()]
 
     def load(
         self,
