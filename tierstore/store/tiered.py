@@ -210,6 +210,7 @@ class TieredStore:
             # policy's order takes over after it)
             self.nvme.evict_first = lambda: self.replicas.oldest(4 * config.demote_batch_blocks)
         self._closing = False
+        self._close_lock = threading.Lock()  # close runs once, whoever calls it
         self.hasher: CommitHasher | None = None
         if config.hash_queue_blocks > 0:
             self.hasher = CommitHasher(
@@ -710,9 +711,10 @@ class TieredStore:
     def close(self) -> None:
         """Stop the demoter and the writer, close NVMe (index flushed) and the
         arena. Idempotent."""
-        if self._closing:
-            return
-        self._closing = True
+        with self._close_lock:
+            if self._closing:
+                return
+            self._closing = True
         self.demoter.close()
         if self.writer is not None:
             self.writer.close()
