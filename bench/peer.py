@@ -22,12 +22,14 @@ Prints one JSON object:
   receiver ``recv_into`` a page-aligned buffer; best of 3 of the delta's size,
   measured before and after the sidecar runs (the better one: shared machines
   drift; both are reported as ``raw_tcp_before_gbps`` / ``raw_tcp_after_gbps``);
-- ``peer_fetch_gbps``: the pull alone as an engine sees it: one
-  ``client.acquire(keys, include_peers=True)`` on B, which is B's peer lookup
-  (gRPC to A), OpenFetch (gRPC), the data channel stream, blake3 verify, commit
-  and pin, and ends with the blocks resident in B's arena (zero-copy views; no
-  copy out of the arena), measured once B's arena is populated (its
-  background populator has run: the steady state seconds after a start) and
+- ``peer_fetch_gbps``: the pull alone as an engine sees it, the median of
+  FETCH_ROUNDS fetches of fresh keys (each listed in ``peer_fetch_rounds_gbps``):
+  one ``client.acquire(keys, include_peers=True)`` on B, which is B's peer
+  lookup (gRPC to A), OpenFetch (gRPC), the data channel stream, blake3
+  verify, commit and pin, and ends with the blocks resident in B's arena (zero-copy views; no
+  copy out of the arena), measured once every sidecar's arena is populated
+  (their background populators have run: the steady state seconds after a
+  start; a populator still zeroing pages takes cores from the fetch) and
   after a first fetch of 4 blocks (B's channels to A are up, as on a host
   that has served for a while).
   ``peer_load_gbps``: one ``client.load(...,
@@ -70,6 +72,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,7 +120,8 @@ TARGETS = {
 }
 HASHED_WAIT_S = 120.0  # A's background hasher finishes the stored blocks within this
 POPULATED_WAIT_S = 120.0  # a sidecar's background populator finishes its arena within this
-KEY_SETS = ("fetch", "load", "push")
+FETCH_ROUNDS = 3  # timed fetches per receiver (fresh keys each): the figure is their median
+KEY_SETS = (*(f"fetch{i}" for i in range(FETCH_ROUNDS)), "load", "push")
 PROFILE_ROUNDS = 4  # fetches of the delta sampled with --profile
 WARM_BLOCKS = 4  # a first small fetch per receiver: its peer channels are up before timing
 
@@ -359,26 +363,27 @@ def measure_receiver(
     keys: dict[str, list[BlockKey]],
     data: torch.Tensor,
 ) -> dict[str, Any]:
-    n, delta = len(keys["fetch"]), data.numel()
+    n, delta = len(keys["load"]), data.numel()
     out: dict[str, Any] = {}
     # A running engine's sidecar has its channels to the peers up: so does this one.
     warm = rx.acquire(LAYOUT, keys["warm"], include_peers=True, deadline_s=DEADLINE_S)
     if len(warm.keys) != len(keys["warm"]):
         raise RuntimeError(f"{name}: the warm-up fetch got {len(warm.keys)} blocks")
     warm.release()
-    fetched0 = rx.stat().counters["peer_fetched_bytes"]
-
-    t0 = time.perf_counter()
-    pinned = rx.acquire(LAYOUT, keys["fetch"], include_peers=True, deadline_s=DEADLINE_S)
-    fetch_s = time.perf_counter() - t0
-    got = len(pinned.keys)
-    pinned.release()
-    if got != n:
-        raise RuntimeError(f"{name}: fetched {got} of {n} blocks")
-    payload = rx.stat().counters["peer_fetched_bytes"] - fetched0
-    check = rx.load(LAYOUT, keys["fetch"])
-    if not torch.equal(check.blocks, data):
-        raise RuntimeError(f"{name}: fetched bytes differ from the stored ones")
+    fetch_s = []
+    for i in range(FETCH_ROUNDS):
+        fetched0 = rx.stat().counters["peer_fetched_bytes"]
+        t0 = time.perf_counter()
+        pinned = rx.acquire(LAYOUT, keys[f"fetch{i}"], include_peers=True, deadline_s=DEADLINE_S)
+        fetch_s.append(time.perf_counter() - t0)
+        got = len(pinned.keys)
+        pinned.release()
+        if got != n:
+            raise RuntimeError(f"{name}: fetched {got} of {n} blocks")
+        payload = rx.stat().counters["peer_fetched_bytes"] - fetched0
+        check = rx.load(LAYOUT, keys[f"fetch{i}"])
+        if not torch.equal(check.blocks, data):
+            raise RuntimeError(f"{name}: fetched bytes differ from the stored ones")
 
     rows = aligned_rows(n)
     t0 = time.perf_counter()
@@ -395,8 +400,9 @@ def measure_receiver(
     if reply.pushed != n or rx.lookup(LAYOUT, keys["push"]).num_hits != n:
         raise RuntimeError(f"{name}: the push imported {reply.pushed} of {n} blocks")
 
-    out["peer_fetch_gbps"] = delta / fetch_s / GB
-    out["peer_fetch_s"] = fetch_s
+    out["peer_fetch_gbps"] = delta / statistics.median(fetch_s) / GB
+    out["peer_fetch_s"] = statistics.median(fetch_s)
+    out["peer_fetch_rounds_gbps"] = [round(delta / s / GB, 3) for s in fetch_s]
     out["peer_load_gbps"] = delta / load_s / GB
     out["import_s"] = reply.push_s
     out["import_gbps"] = delta / reply.push_s / GB
@@ -502,20 +508,27 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-peer-") as tmp:
         with group(Path(tmp), delta, bool(args.profile)) as procs, ExitStack() as stack:
             a = stack.enter_context(StoreClient(str(procs["a"].socket), name="bench-a"))
+            clients = {"a": a}
+            for name in ("b", "z"):
+                clients[name] = stack.enter_context(
+                    StoreClient(str(procs[name].socket), name=f"bench-{name}")
+                )
+            # The steady state, as seconds after a start: every arena populated
+            # (a populator still zeroing pages on A or Z took half the cores
+            # from B's fetch; a fresh arena's first copies pay a fault per page).
+            for client in clients.values():
+                wait_populated(client)
             figures = {}
             stored = 0
             send_hashes0 = a.stat().counters["peer_send_hashes"]
             for name in ("b", "z"):
-                rx = stack.enter_context(StoreClient(str(procs[name].socket), name=f"bench-{name}"))
+                rx = clients[name]
                 keys = key_sets(num_blocks, name, bool(args.profile) and name == "b")
                 for ks in keys.values():
                     if not all(a.store(LAYOUT, ks, data[: len(ks)])):
                         raise RuntimeError("A could not hold the delta")
                     stored += len(ks)
                 wait_hashed(a, stored)
-                # The steady state: the receiver's arena populated, as it is
-                # seconds after a start (before, the first fetch paid the faults).
-                wait_populated(rx)
                 figures[name] = measure_receiver(a, rx, procs, name, keys, data)
                 if name == "b" and args.profile:
                     rounds = [v for k, v in keys.items() if k.startswith("profile")]
@@ -533,6 +546,7 @@ def main(argv: list[str] | None = None) -> None:
             "raw_tcp_after_gbps": raw_after,
             "peer_fetch_gbps": b["peer_fetch_gbps"],
             "peer_fetch_s": b["peer_fetch_s"],
+            "peer_fetch_rounds_gbps": b["peer_fetch_rounds_gbps"],
             "peer_load_gbps": b["peer_load_gbps"],
             "peer_fetch_vs_raw_tcp": ratio(b["peer_fetch_gbps"], raw),
             "cpu_ceiling_gbps": ceiling,
