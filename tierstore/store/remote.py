@@ -4,18 +4,23 @@ bucket, shared by every host of the group and by later sessions.
 Provides ``RemoteTier``:
 - ``lookup_prefix(layout_fp, keys, timeout_s)``: the longest prefix held,
   in a few round trips (see below), never one per block;
-- ``get(layout_fp, key, nbytes)`` (a coroutine-backed future) and
+- ``get(layout_fp, key)`` (a coroutine-backed future) and
   ``verify``: the caller pulls several blocks at once and verifies each
   (``tierstore.store.remote_pull``);
 - ``offer``: a block leaving DRAM is copied and uploaded in the background
   (never blocks: when ``remote_upload_queue_bytes`` are queued it is
   skipped and counted); ``end_turn``: a long turn's chain is written
   through by the ``tierstore-remote-writer`` thread, then its manifests;
-  ``flush``: wait for both;
+  ``flush``: wait for both (all three: ``tierstore.store.remote_upload``);
 - ``gc_once`` and the ``tierstore-remote-gc`` thread: keep the bucket under
-  ``remote_bytes``, least recently used first (``tierstore.policies``);
+  ``remote_bytes``, least recently used first (``tierstore.store.remote_gc``,
+  ``tierstore.policies``);
 - ``contains`` / ``remove`` / ``stats`` / ``close`` (``bound(layout_fp)``
   gives the ``tierstore.store.base.Tier`` protocol for one layout).
+
+The uploader and the GC get their collaborators from the tier (the client,
+the counters, the answers cache and last-use record of
+``tierstore.store.remote_cache``), never the tier itself.
 
 Lookup cost: wave 1 sends, at once, a GET of the manifest at every
 checkpoint (every ``remote_manifest_every_blocks`` blocks of the chain) and
@@ -31,7 +36,8 @@ the lookup then overstates the prefix and the pull stops at the hole
 (a counted miss); the bytes served are always verified.
 
 Threads: callers on any thread; requests run on ``RemoteClient``'s loop
-thread; the writer and GC threads are started through ``Workers``.
+thread; the writer (``RemoteUploader``) and GC (``RemoteGC``) threads are
+started through ``Workers``; the tier owns both and stops them in ``close``.
 """
 
 from __future__ import annotations
@@ -40,73 +46,37 @@ import asyncio
 import concurrent.futures
 import logging
 import math
-import queue
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from tierstore.config import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
-from tierstore.policies import RemoteObject, RemotePlacement, remote_gc_victims
+from tierstore.policies import RemotePlacement
 from tierstore.store import remote_format as fmt
+from tierstore.store.remote_cache import Answers, LastUse
 from tierstore.store.remote_client import REQUEST_COUNTERS, ClientClosed, RemoteClient
+from tierstore.store.remote_gc import GC_COUNTERS, RemoteGC
+from tierstore.store.remote_upload import UPLOAD_COUNTERS, BlockSource, RemoteUploader
 from tierstore.tiers import TierName, TierStats
 from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
 
+__all__ = ["COUNTERS", "BlockSource", "BoundRemoteTier", "RemoteTier"]
+
 COUNTERS = (
     *REQUEST_COUNTERS,
-    "remote_uploads", "remote_upload_bytes", "remote_uploads_failed", "remote_upload_retries",
-    "remote_uploads_skipped_present", "remote_uploads_skipped_full",
-    "remote_uploads_queued", "remote_upload_bytes_queued",  # gauges
-    "remote_write_through_turns", "remote_write_through_dropped", "remote_write_through_failed",
-    "remote_manifests_written",
+    *UPLOAD_COUNTERS,
     "remote_reads", "remote_read_bytes", "remote_read_misses", "remote_read_failures",
     "remote_verify_failures", "remote_bad_objects_deleted",
     "remote_lookups", "remote_lookup_keys", "remote_lookup_hit_keys",
     "remote_lookup_round_trips", "remote_lookup_timeouts",
     "remote_pulls", "remote_pulled_blocks", "remote_pull_timeouts",
-    "remote_gc_runs", "remote_gc_deletions", "remote_gc_bytes_deleted", "remote_gc_failures",
-    "remote_objects", "remote_used_bytes",  # gauges, as of the last GC listing
+    *GC_COUNTERS,
     "remote_unreachable_at_start",
 )  # fmt: skip
-
-# Fills ``out`` with a held block's bytes (DRAM or NVMe, verified); returns
-# its blake3 digest, or None if the block is no longer held. Set by the store.
-BlockSource = Callable[[KVLayout, BlockKey, memoryview], "bytes | None"]
-
-
-class _Answers:
-    """Bounded, expiring memory of which keys the bucket holds (thread-safe)."""
-
-    def __init__(self, max_keys: int, ttl_s: float) -> None:
-        self._max, self._ttl = max_keys, ttl_s
-        self._d: OrderedDict[BlockKey, tuple[bool, float]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: BlockKey, now: float) -> bool | None:
-        with self._lock:
-            got = self._d.get(key)
-            if got is None or now - got[1] > self._ttl:
-                return None
-            return got[0]
-
-    def put(self, keys: Sequence[BlockKey], present: bool, now: float) -> None:
-        with self._lock:
-            for key in keys:
-                self._d[key] = (present, now)
-                self._d.move_to_end(key)
-            while len(self._d) > self._max:
-                self._d.popitem(last=False)
-
-    def forget(self, keys: Sequence[BlockKey]) -> None:
-        with self._lock:
-            for key in keys:
-                self._d.pop(key, None)
 
 
 class RemoteTier:
@@ -123,15 +93,9 @@ class RemoteTier:
         self.client = RemoteClient(cfg, self.counters, self.workers)
         self.prefix = self.client.prefix
         self.placement = RemotePlacement(cfg.remote_placement, cfg.remote_min_tokens)
-        self.source: BlockSource | None = None
-        self._answers = _Answers(cfg.remote_cache_keys, cfg.remote_cache_ttl_s)
-        self._used: OrderedDict[str, float] = OrderedDict()  # path -> this host's last use
-        self._cond = threading.Condition()
-        self._queued_bytes = 0
-        self._pending = 0  # uploads queued or running, plus write-through jobs
-        self._closed = False
-        self._sems: dict[str, asyncio.Semaphore] = {}
-        self._jobs: queue.Queue[tuple[KVLayout, list[BlockKey]] | None] = queue.Queue(64)
+        self._answers = Answers(cfg.remote_cache_keys, cfg.remote_cache_ttl_s)
+        self._last_use = LastUse(cfg.remote_cache_keys)  # this host's last use, for GC
+        self._read_sem: asyncio.Semaphore | None = None  # made and used on the loop thread only
         try:
             problem = self.client.probe(probe_timeout_s)
         except BaseException:
@@ -140,25 +104,32 @@ class RemoteTier:
         if problem:
             self.counters.set("remote_unreachable_at_start", 1)
             log.warning("%s; the remote tier answers misses until it is", problem)
-        self._writer = self.workers.start("tierstore-remote-writer", self._write_loop)
-        self._gc_wake = threading.Event()
-        self._gc: threading.Thread | None = None
+        self._uploads = RemoteUploader(
+            cfg,
+            self.client,
+            self.counters,
+            self._answers,
+            self._last_use,
+            self.contains,
+            self.workers,
+        )
+        self._gc = RemoteGC(cfg, self.client, self.counters, self._answers, self._last_use)
         if cfg.remote_bytes > 0:
-            self._gc = self.workers.start("tierstore-remote-gc", self._gc_loop)
+            self._gc.start(self.workers)
+
+    @property
+    def source(self) -> BlockSource | None:
+        """Where write-through reads a held block's bytes; set by the store."""
+        return self._uploads.source
+
+    @source.setter
+    def source(self, source: BlockSource | None) -> None:
+        self._uploads.source = source
 
     # -- names ------------------------------------------------------------------------
 
     def path(self, layout_fp: bytes, key: BlockKey) -> str:
         return fmt.object_path(self.prefix, layout_fp, key)
-
-    def _note_used(self, paths: Sequence[str]) -> None:
-        now = time.time()
-        with self._cond:
-            for p in paths:
-                self._used[p] = now
-                self._used.move_to_end(p)
-            while len(self._used) > self.cfg.remote_cache_keys:
-                self._used.popitem(last=False)
 
     # -- lookup -------------------------------------------------------------------------
 
@@ -316,8 +287,9 @@ class RemoteTier:
         return self.client.submit(self._get(self.path(layout_fp, key)))
 
     async def _get(self, path: str) -> memoryview | bool | None:
-        sem = self._sem("read", self.cfg.remote_read_depth * 4)
-        async with sem:
+        if self._read_sem is None:
+            self._read_sem = asyncio.Semaphore(self.cfg.remote_read_depth * 4)
+        async with self._read_sem:
             return await self.client.get(path)
 
     def verify(
@@ -336,7 +308,7 @@ class RemoteTier:
             self._delete_bad(self.path(layout_fp, key))
             return None
         self.counters.add_many({"remote_reads": 1, "remote_read_bytes": nbytes})
-        self._note_used([self.path(layout_fp, key)])
+        self._last_use.note([self.path(layout_fp, key)])
         return payload
 
     def _delete_bad(self, path: str) -> None:
@@ -353,250 +325,32 @@ class RemoteTier:
         if await self.client.delete([path]):
             self.counters.add("remote_bad_objects_deleted")
 
-    # -- uploads ---------------------------------------------------------------------------
+    # -- uploads (tierstore.store.remote_upload) ---------------------------------------------
 
     def offer(
         self, layout_fp: bytes, key: BlockKey, data: memoryview, digest: bytes | None
     ) -> bool:
         """Queue an upload of a copy of ``data`` (a block leaving DRAM).
         Never blocks; False when the queue is full or the tier closed."""
-        if self._answers.get(key, time.monotonic()) is True:
-            self.counters.add("remote_uploads_skipped_present")
-            return True
-        nbytes = fmt.HEADER_BYTES + data.nbytes
-        if not self._take_room(nbytes, block=False):
-            self.counters.add("remote_uploads_skipped_full")
-            return False
-        try:
-            buf = fmt.encode_block(layout_fp, key, data, digest)
-        except BaseException:
-            self._upload_done(nbytes)
-            raise
-        self._start_upload(self.path(layout_fp, key), key, buf)
-        return True
-
-    def _take_room(self, nbytes: int, block: bool) -> bool:
-        with self._cond:
-            while not self._closed:
-                if self._queued_bytes + nbytes <= self.cfg.remote_upload_queue_bytes or (
-                    self._queued_bytes == 0
-                ):
-                    self._queued_bytes += nbytes
-                    self._pending += 1
-                    self._gauges()
-                    return True
-                if not block:
-                    return False
-                self._cond.wait(1.0)
-            return False
-
-    def _gauges(self) -> None:  # under _cond
-        self.counters.set("remote_uploads_queued", self._pending)
-        self.counters.set("remote_upload_bytes_queued", self._queued_bytes)
-
-    def _upload_done(self, nbytes: int) -> None:
-        with self._cond:
-            self._queued_bytes -= nbytes
-            self._pending -= 1
-            self._gauges()
-            self._cond.notify_all()
-
-    def _start_upload(
-        self, path: str, key: BlockKey, buf: bytearray | bytes
-    ) -> concurrent.futures.Future[bool]:
-        try:
-            return self.client.submit(self._upload(path, key, buf))
-        except ClientClosed:  # closed meanwhile
-            self._upload_done(len(buf))
-            fut: concurrent.futures.Future[bool] = concurrent.futures.Future()
-            fut.set_result(False)
-            return fut
-
-    def _sem(self, name: str, limit: int) -> asyncio.Semaphore:
-        sem = self._sems.get(name)  # only the loop thread gets here
-        if sem is None:
-            sem = self._sems[name] = asyncio.Semaphore(limit)
-        return sem
-
-    async def _upload(self, path: str, key: BlockKey, buf: bytearray | bytes) -> bool:
-        """HEAD first (content-addressed: present means done), then PUT;
-        failures retry with backoff while the tier is open."""
-        sem = self._sem("upload", self.cfg.remote_upload_concurrency)
-        backoff, first = 0.25, time.monotonic()
-        try:
-            while True:
-                async with sem:
-                    present = await self.client.head(path)
-                    if present is True:
-                        self.counters.add("remote_uploads_skipped_present")
-                        done = True
-                    elif present is False and await self.client.put(path, buf):
-                        self.counters.add_many(
-                            {"remote_uploads": 1, "remote_upload_bytes": len(buf)}
-                        )
-                        done = True
-                    else:
-                        done = False
-                if done:
-                    self._answers.put([key], True, time.monotonic())
-                    self._note_used([path])
-                    return True
-                if self._closed or time.monotonic() - first > self.cfg.remote_upload_give_up_s:
-                    self.counters.add("remote_uploads_failed")
-                    return False
-                self.counters.add("remote_upload_retries")
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-        except asyncio.CancelledError:  # the tier closed with this upload unfinished
-            self.counters.add("remote_uploads_failed")
-            raise
-        finally:
-            self._upload_done(len(buf))
+        return self._uploads.offer(layout_fp, key, data, digest)
 
     def end_turn(self, layout: KVLayout, keys: Sequence[BlockKey], num_tokens: int) -> bool:
         """Write a finished turn's chain through if the placement says so.
         Never blocks; False if not (policy, queue full, closed)."""
-        if not keys or not self.placement.on_end_turn(num_tokens) or self._closed:
+        if not keys or not self.placement.on_end_turn(num_tokens):
             return False
-        with self._cond:
-            self._pending += 1
-            self._gauges()
-        try:
-            self._jobs.put_nowait((layout, list(keys)))
-        except queue.Full:
-            self.counters.add("remote_write_through_dropped")
-            self._upload_done(0)
-            return False
-        return True
-
-    def _write_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._write_through(*job)
-            except TimeoutError:  # the store did not answer in time: the turn stays local
-                self.counters.add("remote_write_through_failed")
-            except ClientClosed:  # the client closed under the job: shutting down
-                return
-            finally:
-                self._upload_done(0)
-
-    def _write_through(self, layout: KVLayout, keys: list[BlockKey]) -> None:
-        """Upload the chain's blocks that the bucket lacks, then a manifest at
-        every checkpoint the uploaded prefix reaches."""
-        fp, nbytes = layout.fingerprint, layout.block_bytes
-        self.counters.add("remote_write_through_turns")
-        present = self.contains(fp, keys, self.cfg.remote_request_timeout_s)
-        uploads: list[concurrent.futures.Future[bool]] = []
-        prefix = 0
-        for key, held in zip(keys, present):
-            if not held:
-                if self.source is None or not self._take_room(fmt.HEADER_BYTES + nbytes, True):
-                    break
-                buf = bytearray(fmt.HEADER_BYTES + nbytes)
-                digest = self.source(layout, key, memoryview(buf)[fmt.HEADER_BYTES :])
-                if digest is None:  # no longer held here: the chain stops
-                    self._upload_done(len(buf))
-                    break
-                buf[: fmt.HEADER_BYTES] = fmt.header(fmt.KIND_BLOCK, fp, key, digest, nbytes)
-                uploads.append(self._start_upload(self.path(fp, key), key, buf))
-            prefix += 1
-        for fut in uploads:
-            try:
-                ok = fut.result(
-                    self.cfg.remote_upload_give_up_s + self.cfg.remote_request_timeout_s
-                )
-            except concurrent.futures.TimeoutError:
-                ok = False
-            if not ok:
-                return  # a hole: no manifest may vouch for it
-        every = self.cfg.remote_manifest_every_blocks
-        for c in range(every - 1, prefix, every):
-            data = fmt.encode_manifest(fp, keys[c], c + 1)
-            path = fmt.manifest_path(self.prefix, fp, keys[c])
-            try:
-                if self.client.call(self.client.put(path, data), self.cfg.remote_request_timeout_s):
-                    self.counters.add("remote_manifests_written")
-            except TimeoutError:
-                return
+        return self._uploads.queue_turn(layout, keys)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued upload and write-through finished; False at the deadline."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._pending > 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.5))
-        return True
+        return self._uploads.flush(timeout_s)
 
-    # -- garbage collection -----------------------------------------------------------------
-
-    def _gc_loop(self) -> None:
-        while not self._gc_wake.wait(self.cfg.remote_gc_interval_s):
-            try:
-                self.gc_once()
-            except ClientClosed:  # the client closed under the pass: shutting down
-                return
+    # -- garbage collection (tierstore.store.remote_gc) --------------------------------------
 
     def gc_once(self) -> int:
         """List the bucket's objects under the prefix and delete the least
         recently used until under the budget; returns how many went."""
-        self.counters.add("remote_gc_runs")
-        under = f"{self.prefix}/" if self.prefix else None
-        try:
-            listed = self.client.call(
-                self.client.list_objects(under or "", self.cfg.remote_gc_max_objects),
-                self.cfg.remote_request_timeout_s * 6,
-            )
-        except TimeoutError:
-            listed = None
-        if listed is None:
-            self.counters.add("remote_gc_failures")
-            return 0
-        with self._cond:
-            used = dict(self._used)
-        objects = [
-            RemoteObject(o.path, o.size, o.last_modified_s, used.get(o.path, 0.0))
-            for o in listed
-            if "/_probe/" not in f"/{o.path}"
-        ]
-        self.counters.set("remote_objects", len(objects))
-        self.counters.set("remote_used_bytes", sum(o.size for o in objects))
-        if self.cfg.remote_bytes <= 0:
-            return 0
-        victims = remote_gc_victims(
-            objects, self.cfg.remote_bytes, self.cfg.remote_gc_low_watermark
-        )
-        deleted = 0
-        for lo in range(0, len(victims), 1000):
-            batch = victims[lo : lo + 1000]
-            try:
-                ok = self.client.call(
-                    self.client.delete([v.path for v in batch]), self.cfg.remote_request_timeout_s
-                )
-            except TimeoutError:
-                ok = False
-            if not ok:
-                self.counters.add("remote_gc_failures")
-                break
-            self._answers.forget([_key_of(v.path) for v in batch])
-            deleted += len(batch)
-            self.counters.add_many(
-                {
-                    "remote_gc_deletions": len(batch),
-                    "remote_gc_bytes_deleted": sum(v.size for v in batch),
-                }
-            )
-        self.counters.set("remote_objects", len(objects) - deleted)
-        self.counters.set(
-            "remote_used_bytes",
-            sum(o.size for o in objects) - sum(v.size for v in victims[:deleted]),
-        )
-        return deleted
+        return self._gc.gc_once()
 
     def remove(self, layout_fp: bytes, keys: Sequence[BlockKey]) -> int:
         """Delete the keys' objects (missing ones count too); returns how many were asked."""
@@ -628,20 +382,13 @@ class RemoteTier:
 
     def close(self) -> None:
         """Wait up to ``remote_flush_on_close_s`` for queued uploads, then stop. Idempotent."""
-        if self._closed:
+        if self._uploads.closed:
             return
-        self.flush(self.cfg.remote_flush_on_close_s)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._gc_wake.set()
-        try:
-            self._jobs.put_nowait(None)
-        except queue.Full:
-            pass
-        self._writer.join(timeout=5)
-        if self._gc is not None:
-            self._gc.join(timeout=5)
+        self._uploads.flush(self.cfg.remote_flush_on_close_s)
+        self._uploads.stop()
+        self._gc.stop()
+        self._uploads.join(5)
+        self._gc.join(5)
         self.client.close()
 
 
@@ -664,11 +411,3 @@ class BoundRemoteTier:
 
     def close(self) -> None:
         """The shared tier is closed by its store, not through one layout's view."""
-
-
-def _key_of(path: str) -> BlockKey:
-    name = path.rsplit("/", 1)[-1]
-    try:
-        return BlockKey(bytes.fromhex(name))
-    except ValueError:
-        return BlockKey(b"")

@@ -10,6 +10,14 @@ together exceed the budget.
 Cost: ``oldest(limit)`` is O(limit); the store learns which replicas may
 have left every tier from the tiers' removal events (``note_removed``) and
 checks only those, never the whole ledger.
+
+Two functions are the store's replica operations over a ledger:
+``prune_gone`` (forget the replicas no tier holds any more) and
+``make_replica_room`` (promise room within a budget, dropping the oldest
+replicas). They reach the tiers only through the ``held`` and ``drop``
+callables the store passes (its own ``held`` and ``drop``, which ask every
+tier), never the tiers themselves. They run on the caller's thread (a peer
+import or a stat).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tierstore.keys import BlockKey
 
@@ -52,7 +60,11 @@ class ReplicaLedger:
             return [(k, now - self._pushed_at.get(k, now)) for k in keys]
 
     def note_removed(self, keys: Sequence[BlockKey]) -> None:
-        """A tier dropped ``keys``: the replicas among them may be gone."""
+        """A tier dropped ``keys``: the replicas among them may be gone.
+        Called under the tiers' locks on every removal (the event log's
+        ``on_removed``): with no replicas, it returns without the lock."""
+        if not self._blocks:
+            return
         with self._lock:
             if self._blocks:
                 blocks = self._blocks
@@ -110,3 +122,45 @@ class ReplicaLedger:
                 self._used_bytes -= self._blocks.pop(key, 0)
                 self._pushed_at.pop(key, None)
                 self._maybe_gone.discard(key)
+
+
+def prune_gone(ledger: ReplicaLedger, held: Callable[[Sequence[BlockKey]], list[bool]]) -> None:
+    """Forget the replicas no tier holds any more: only those a tier
+    dropped since the last call are asked about (``held``: per key, whether
+    some tier holds it now)."""
+    keys = ledger.take_maybe_gone()
+    if keys:
+        ledger.discard([k for k, h in zip(keys, held(keys)) if not h])
+
+
+def make_replica_room(
+    ledger: ReplicaLedger,
+    nbytes: int,
+    budget_bytes: int,
+    *,
+    held: Callable[[Sequence[BlockKey]], list[bool]],
+    drop: Callable[[Sequence[BlockKey]], int],
+    batch_blocks: int,
+) -> bool:
+    """Promise ``nbytes`` of replica room within the budget, dropping the
+    oldest replicas (``drop``: from every tier, unless in use) as needed;
+    the caller settles the promise with ``ledger.settle``."""
+    if nbytes > budget_bytes:
+        return False
+    prune_gone(ledger, held)
+    # Oldest first, read a bounded batch at a time (never the whole
+    # ledger); a pinned replica stays (and stays counted), so a batch that
+    # frees nothing ends the search.
+    while not ledger.reserve(nbytes, budget_bytes):
+        batch = ledger.oldest(batch_blocks)
+        freed = False
+        for key in batch:
+            drop([key])
+            if not held([key])[0]:
+                ledger.discard([key])
+                freed = True
+                if ledger.reserve(nbytes, budget_bytes):
+                    return True
+        if not freed:
+            return False
+    return True

@@ -3,11 +3,16 @@ more than one tier.
 
 Provides batched two-phase writes (``reserve`` / ``commit`` / ``abort``, or
 ``put``), prefix ``lookup`` across tiers, ``acquire`` / ``release`` (promote
-to DRAM on hit and pin), forced ``demote`` and ``drop``, ``stat``.
+to DRAM on hit and pin), forced ``demote`` and ``drop``, ``stat``, and what
+the services ask of it instead of reaching into its tiers. Its parts are
+built from the config by ``tierstore.store.build``; its helpers get them
+explicitly and never call back into the store (``replicas``: replica room;
+``stat``: the figures; ``digests``, ``layouts``, ``buffers``, ``results``).
 
 The remote tier (``tierstore.store.remote``, when ``remote_url`` is set)
 hangs off ``self.remote`` and is touched in few places, each marked
-"remote tier": victims leaving DRAM are offered to it by the demoter;
+"remote tier": victims leaving DRAM are offered to it by the demoter; its
+write-through reads held blocks through ``tierstore.store.remote_source``;
 ``lookup_remote`` / ``pull_remote`` / ``end_turn_remote`` are what the
 services call after the local tiers and peers; ``stat`` and ``close``.
 
@@ -24,88 +29,38 @@ same-key promotions coalesced) is ``tierstore.store.promoter``'s.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
-
-import blake3
 
 from tierstore.config import RemoteConfig, StoreConfig
 from tierstore.counters import Counters
-from tierstore.errors import BlockSizeError, LayoutError
+from tierstore.errors import BlockSizeError
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.memory.arena import Arena
 from tierstore.memory.memcopy import copy_into
-from tierstore.policies import (
-    ReplicaRetention,
-    make_admission_policy,
-    make_eviction_policy,
-    make_write_policy,
-)
 from tierstore.store.base import Tier
-from tierstore.store.demoter import DEMOTER_COUNTERS, Demoter
-from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier, ReserveStatus
-from tierstore.store.events import BlockEventLog
-from tierstore.store.hasher import HASHER_COUNTERS, CommitHasher
-from tierstore.store.nvme import NVME_GAUGES, NvmeTier, block_digest
-from tierstore.store.promoter import PROMOTER_COUNTERS, Promoter
-from tierstore.store.remote import RemoteTier
+from tierstore.store.buffers import as_byte_view as as_byte_view  # re-exported (public API)
+from tierstore.store.buffers import split_blocks
+from tierstore.store.build import build_parts, populate_in_background
+from tierstore.store.demoter import DEMOTER_COUNTERS
+from tierstore.store.digests import DIGEST_COUNTERS
+from tierstore.store.dram import STORE_OWNER, DramEntry, ReserveStatus
+from tierstore.store.hasher import HASHER_COUNTERS
+from tierstore.store.layouts import LayoutRegistry
+from tierstore.store.nvme import NvmeTier
+from tierstore.store.promoter import PROMOTER_COUNTERS
 from tierstore.store.remote_pull import pull_prefix
-from tierstore.store.replicas import ReplicaLedger
-from tierstore.store.writer import WRITER_GAUGES, DrainReport, NvmeWriter, drain
-from tierstore.tiers import TIER_BY_CODE, TIER_CODES, TierName, TierStats
+from tierstore.store.replicas import make_replica_room, prune_gone
+from tierstore.store.results import LookupResult, Reservation
+from tierstore.store.stat import STORE_GAUGES as STORE_GAUGES  # re-exported (/metrics)
+from tierstore.store.stat import store_stat
+from tierstore.store.writer import DrainReport, drain
+from tierstore.tiers import TIER_CODES, TierName
 from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
-POPULATOR_NICE = 10  # the arena populator thread's niceness (Linux: per thread)
-# stat()["store"] figures that go down too (gauges for /metrics).
-STORE_GAUGES = (
-    WRITER_GAUGES
-    | NVME_GAUGES
-    | {
-        "write_queue_bound_bytes",
-        "arena_bytes",
-        "arena_populated_bytes",
-        "arena_page_bytes",
-        "last_drain_blocks",
-        "last_drain_bytes",
-        "last_drain_dropped_blocks",
-        "last_drain_dropped_bytes",
-        "last_drain_ms",
-        "last_drain_budget_ms",
-    }
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """Outcome of reserving one key: OK with the arena offset to write to,
-    EXISTS (the store already holds it: skip the copy), or FULL."""
-
-    key: BlockKey
-    status: ReserveStatus
-    offset: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    """The longest contiguous prefix of the asked keys that is available,
-    and the fastest tier holding each of its blocks, as wire codes
-    (``TIER_CODES``, one byte per block: what the services send as is)."""
-
-    num_hits: int
-    codes: bytes
-
-    @property
-    def tiers(self) -> tuple[TierName, ...]:
-        return tuple(TIER_BY_CODE[c] for c in self.codes)
-
-
 _DRAM_CODE = TIER_CODES[TierName.DRAM]
 _NVME_CODE = TIER_CODES[TierName.NVME]
 
@@ -116,7 +71,7 @@ STORE_COUNTERS = (
     "lookup_hit_keys",
     *PROMOTER_COUNTERS,
     *HASHER_COUNTERS,
-    "digests_computed",  # blake3 passes over DRAM blocks (hash once: one per block)
+    *DIGEST_COUNTERS,
     *DEMOTER_COUNTERS,
 )
 
@@ -139,124 +94,27 @@ class TieredStore:
         self.config = config
         # The sidecar passes its own, so a dead demoter turns its health NOT_SERVING.
         self.workers = workers if workers is not None else Workers()
-        # Remote tier first: a configuration it refuses fails before anything is allocated.
-        self.remote: RemoteTier | None = None
-        if remote is not None and remote.remote_url:
-            self.remote = RemoteTier(remote, self.workers)
-            self.remote.source = self._remote_source
-        try:
-            self.arena = (
-                arena
-                if arena is not None
-                else Arena.create(
-                    config.dram_bytes,
-                    config.shm_dir,
-                    upfront=config.dram_populate == "upfront",
-                    huge_pages=config.dram_huge_pages,
-                )
-            )
-        except BaseException:
-            if self.remote is not None:
-                self.remote.close()
-            raise
-        try:
-            # A tier smaller than one segment is one segment (small test and demo stores).
-            self.dram = DramTier(
-                self.arena,
-                min(config.dram_segment_bytes, self.arena.size_bytes),
-                make_eviction_policy(config.eviction_policy),
-            )
-            self.nvme: NvmeTier | None = nvme
-            if nvme is None and config.nvme_bytes > 0:
-                self.nvme = NvmeTier(
-                    config.nvme_dir,
-                    config.nvme_bytes,
-                    segment_bytes=min(config.nvme_segment_bytes, config.nvme_bytes // 4096 * 4096),
-                    policy=make_eviction_policy(config.eviction_policy),
-                    direct_io=config.nvme_direct_io,
-                    index_reserve_bytes=config.nvme_index_reserve_bytes,
-                    full_backoff_s=config.nvme_full_backoff_s,
-                )
-        except BaseException:
-            if arena is None:
-                self.arena.close()
-            if self.remote is not None:
-                self.remote.close()
-            raise
-        # Tier changes in order, for routers (PeerService.WatchBlocks).
-        self.events = BlockEventLog(config.event_log_keys)
-        self.dram.events = self.events
-        self.events.on_removed = self._note_removed
-        if self.nvme is not None:
-            self.nvme.events = self.events
-        self._layouts: dict[bytes, KVLayout] = {}
-        self._layouts_lock = threading.Lock()
         self.counters = Counters(STORE_COUNTERS)
-        self.promoter = Promoter(
-            self.nvme,
-            self.dram,
-            self.arena,
-            make_room=self.make_room,
-            on_promoted=self.maybe_wake_demoter,
-            counters=self.counters,
-            read_depth=config.nvme_read_depth,
-            wait_s=config.promote_wait_s,
+        parts = build_parts(
+            config, self.workers, self.counters, arena=arena, nvme=nvme, remote=remote
         )
-        # Blocks imported for other hosts (kv_share): evicted before the
-        # host's own blocks and bounded by a budget.
-        self.replicas = ReplicaLedger()
-        if self.nvme is not None:
-            # and on NVMe too (a bounded batch of them per write batch: the
-            # policy's order takes over after it)
-            self.nvme.evict_first = lambda: self.replicas.oldest(4 * config.demote_batch_blocks)
+        self.remote = parts.remote
+        self.arena = parts.arena
+        self.dram = parts.dram
+        self.nvme = parts.nvme
+        self.events = parts.events  # tier changes in order, for routers
+        self.replicas = parts.replicas  # blocks imported for other hosts (kv_share)
+        self._digests = parts.digests
+        self.hasher = parts.hasher
+        self.demoter = parts.demoter
+        self.promoter = parts.promoter
+        self.write_policy = parts.write_policy
+        self.writer = parts.writer
+        self._layouts = LayoutRegistry()
         self._closing = False
         self._close_lock = threading.Lock()  # close runs once, whoever calls it
-        self.hasher: CommitHasher | None = None
-        if config.hash_queue_blocks > 0:
-            self.hasher = CommitHasher(
-                self._hash_committed,
-                workers=self.workers,
-                counters=self.counters,
-                queue_blocks=config.hash_queue_blocks,
-            )
-        capacity = self.dram.allocator.capacity_bytes
-        self.demoter = Demoter(
-            self.dram,
-            self.nvme,
-            self.remote,
-            self.replicas,
-            retention=ReplicaRetention(config.replica_live_s),
-            admission=make_admission_policy(config.nvme_admission),
-            digest=self.digest,
-            counters=self.counters,
-            batch_blocks=config.demote_batch_blocks,
-            high_bytes=int(config.dram_high_watermark * capacity),
-            low_bytes=int(config.dram_low_watermark * capacity),
-            poll_s=config.demoter_poll_s,
-            workers=self.workers,
-        )
-        self.write_policy = make_write_policy(config.write_policy, config.write_through_min_tokens)
-        self.writer: NvmeWriter | None = None
-        if self.nvme is not None and self.write_policy.name != "write_back":
-            self.writer = NvmeWriter(
-                self.dram,
-                self.nvme,
-                self.write_policy,
-                queue_bytes=config.write_queue_bytes,
-                workers=self.workers,
-            )
         self.last_drain = DrainReport.load(self.nvme.root) if self.nvme is not None else None
-        log.info(
-            "DRAM arena %s: %.2f GiB, pages of %d KiB (%s), %s",
-            self.arena.path,
-            self.arena.size_bytes / 2**30,
-            self.arena.page_bytes >> 10,
-            self.arena.page_kind,
-            "populated" if self.arena.populated_bytes >= self.arena.size_bytes
-            else "populating in the background",
-        )  # fmt: skip
-        if self.arena.populated_bytes < self.arena.size_bytes:
-            self.workers.start("tierstore-arena-populator", self._populate)
+        populate_in_background(self.arena, self.workers, stop=lambda: self._closing)
 
     # -- layouts ----------------------------------------------------------------
 
@@ -269,19 +127,11 @@ class TieredStore:
             )
 
     def register_layout(self, layout: KVLayout) -> bytes:
-        with self._layouts_lock:
-            self._layouts.setdefault(layout.fingerprint, layout)
-        return layout.fingerprint
+        return self._layouts.register(layout)
 
     def layout(self, fingerprint: bytes) -> KVLayout:
         """The registered layout with this fingerprint, or LayoutError."""
-        with self._layouts_lock:
-            layout = self._layouts.get(bytes(fingerprint))
-        if layout is None:
-            raise LayoutError(
-                f"unknown layout fingerprint {bytes(fingerprint).hex()[:16]}...; register it first"
-            )
-        return layout
+        return self._layouts.get(fingerprint)
 
     # -- writes -------------------------------------------------------------------
 
@@ -361,7 +211,7 @@ class TieredStore:
         """Store blocks given as one buffer of ``len(keys) * block_bytes`` bytes
         or as one buffer per key. Returns whether each key is held afterwards."""
         keys = check_keys(keys)
-        views = _split_blocks(layout, keys, blocks)
+        views = split_blocks(layout, keys, blocks)
         held = []
         reservations = self.reserve(layout, keys)
         for res, view in zip(reservations, views):
@@ -456,21 +306,7 @@ class TieredStore:
     def digest(self, entry: DramEntry) -> bytes:
         """blake3 of a pinned block's bytes, computed once and kept with the entry
         (normally by the hasher, right after the commit)."""
-        if entry.digest is None:
-            entry.digest = block_digest(self.dram.view(entry))
-            self.counters.add("digests_computed")
-        return entry.digest
-
-    def _hash_committed(self, entries: list[DramEntry]) -> None:
-        """The hasher's step: hash the blocks still held (freed ones are skipped)."""
-        n = 0
-        for entry, alive in zip(entries, self.dram.alive(entries)):
-            if alive and entry.digest is None:
-                # One thread: the hasher runs beside the engine's copies and
-                # must leave them the other cores (blake3's AUTO mode takes all).
-                entry.digest = blake3.blake3(self.dram.view(entry)).digest()
-                n += 1
-        self.counters.add("digests_computed", n)
+        return self._digests.digest(entry)
 
     def wait_hashed(self, timeout_s: float) -> bool:
         """Wait until every block committed so far has its digest (tests, benchmarks)."""
@@ -485,31 +321,16 @@ class TieredStore:
 
     def replica_bytes(self) -> int:
         """Bytes of replicas still held in some tier (asked of the tiers)."""
-        self._prune_replicas()
+        prune_gone(self.replicas, self.held)
         return self.replicas.used_bytes()
 
     def make_replica_room(self, nbytes: int, budget_bytes: int) -> bool:
         """Promise ``nbytes`` of replica room within the budget, dropping the
         oldest replicas as needed; settle it with ``finish_replica_import``."""
-        if nbytes > budget_bytes:
-            return False
-        self._prune_replicas()
-        # Oldest first, read a bounded batch at a time (never the whole
-        # ledger); a pinned replica stays (and stays counted), so a batch that
-        # frees nothing ends the search.
-        while not self.replicas.reserve(nbytes, budget_bytes):
-            batch = self.replicas.oldest(self.config.demote_batch_blocks)
-            freed = False
-            for key in batch:
-                self.drop([key])
-                if not self.held([key])[0]:
-                    self.replicas.discard([key])
-                    freed = True
-                    if self.replicas.reserve(nbytes, budget_bytes):
-                        return True
-            if not freed:
-                return False
-        return True
+        return make_replica_room(
+            self.replicas, nbytes, budget_bytes,
+            held=self.held, drop=self.drop, batch_blocks=self.config.demote_batch_blocks,
+        )  # fmt: skip
 
     def finish_replica_import(
         self, reserved_bytes: int, layout: KVLayout, keys: Sequence[BlockKey]
@@ -522,18 +343,6 @@ class TieredStore:
         if self.nvme is not None:
             held = [a or b for a, b in zip(held, self.nvme.contains(keys))]
         return held
-
-    def _note_removed(self, keys: Sequence[BlockKey]) -> None:
-        """A tier dropped ``keys`` (under its lock): the ledger only notes them."""
-        if self.replicas:
-            self.replicas.note_removed(keys)
-
-    def _prune_replicas(self) -> None:
-        """Forget the replicas no tier holds any more: only those a tier
-        dropped since the last call are asked about."""
-        keys = self.replicas.take_maybe_gone()
-        if keys:
-            self.replicas.discard([k for k, h in zip(keys, self.held(keys)) if not h])
 
     # -- moving blocks down -------------------------------------------------------
 
@@ -555,24 +364,6 @@ class TieredStore:
         return self.demoter.make_room(nbytes, count)
 
     # -- remote tier -------------------------------------------------------------------
-
-    def _remote_source(self, layout: KVLayout, key: BlockKey, out: memoryview) -> bytes | None:
-        """Copy a held block into ``out`` for a write-through upload; its digest or None."""
-        entry = self.dram.pin([key], STORE_OWNER)[0]
-        if entry is not None:
-            try:
-                if entry.layout_fp != layout.fingerprint or entry.nbytes != out.nbytes:
-                    return None
-                copy_into(out, self.dram.view(entry))
-                return self.digest(entry)
-            finally:
-                self.dram.unpin([key], STORE_OWNER)
-        if self.nvme is not None:
-            meta = self.nvme.meta(key)
-            if meta is not None and meta.layout_fp == layout.fingerprint:
-                if self.nvme.read_into(key, out) == out.nbytes:
-                    return meta.digest
-        return None
 
     @property
     def has_remote(self) -> bool:
@@ -614,18 +405,6 @@ class TieredStore:
     def maybe_wake_demoter(self) -> None:
         self.demoter.wake()
 
-    def _populate(self) -> None:
-        # Background work: serving threads come first on a busy host.
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), POPULATOR_NICE)
-        started = time.monotonic()
-        if self.arena.populate(stop=lambda: self._closing):
-            log.info(
-                "DRAM arena populated (%.2f GiB in %.1fs)",
-                self.arena.size_bytes / 2**30,
-                time.monotonic() - started,
-            )
-
     # -- what services ask of the store (they never reach into its tiers) -------------
 
     @property
@@ -666,31 +445,13 @@ class TieredStore:
         return [self.dram] if self.nvme is None else [self.dram, self.nvme]
 
     def stat(self) -> dict[str, Any]:
-        tiers: dict[str, TierStats] = {str(t.name): t.stats() for t in self.tiers()}
-        counters = self.counters.snapshot()
-        if self.writer is not None:
-            counters.update(self.writer.counters.snapshot())
-        if self.nvme is not None:
-            counters.update(self.nvme.counters.snapshot())
-        if self.last_drain is not None:
-            counters.update(self.last_drain.counters())
-        if self.writer is not None:
-            counters["write_queue_bound_bytes"] = self.config.write_queue_bytes
-        counters["arena_bytes"] = self.arena.size_bytes
-        counters["arena_populated_bytes"] = self.arena.populated_bytes
-        counters["arena_page_bytes"] = self.arena.page_bytes
-        if self.remote is not None:  # remote tier (outside tiers(): it is asked per layout)
-            tiers[str(TierName.REMOTE)] = self.remote.stats()
-            counters.update(self.remote.counters.snapshot())
-        return {
-            "tiers": {name: s.to_dict() for name, s in tiers.items()},
-            "store": counters,
-            "info": {
-                "write_policy": self.write_policy.name,
-                "arena_page": f"{self.arena.page_bytes >> 10} KiB, {self.arena.page_kind}",
-            },
-            "layouts": len(self._layouts),
-        }
+        """Per-tier stats, the store's figures, setup facts (``tierstore.store.stat``)."""
+        return store_stat(
+            self.tiers(), self.counters, arena=self.arena, nvme=self.nvme, writer=self.writer,
+            remote=self.remote, last_drain=self.last_drain,
+            write_queue_bytes=self.config.write_queue_bytes,
+            write_policy=self.write_policy.name, num_layouts=len(self._layouts),
+        )  # fmt: skip
 
     def drain(self, budget_s: float) -> DrainReport:
         """Graceful stop: stop write-through, then write DRAM-only blocks to
@@ -734,37 +495,3 @@ class TieredStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def as_byte_view(obj: Any) -> memoryview:
-    """A flat, zero-copy byte view of a buffer, numpy array or CPU torch tensor."""
-    if type(obj).__module__.startswith("torch"):
-        import torch  # only when a tensor is passed: the store itself needs no torch
-
-        obj = obj.detach().contiguous().view(-1).view(torch.uint8).numpy()
-    view = memoryview(obj)
-    if not view.c_contiguous:
-        raise BlockSizeError("block buffers must be contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
-
-
-def _split_blocks(layout: KVLayout, keys: Sequence[BlockKey], blocks: Any) -> list[memoryview]:
-    """Per-key views of ``blocks``; raises BlockSizeError before anything is stored."""
-    size = layout.block_bytes
-    if isinstance(blocks, list | tuple):
-        if len(blocks) != len(keys):
-            raise BlockSizeError(f"{len(blocks)} blocks given for {len(keys)} keys")
-        views = [as_byte_view(b) for b in blocks]
-        for i, v in enumerate(views):
-            if v.nbytes != size:
-                raise BlockSizeError(
-                    f"block {i} has {v.nbytes} bytes; layout {layout.model!r} needs {size}"
-                )
-        return views
-    view = as_byte_view(blocks)
-    if view.nbytes != size * len(keys):
-        raise BlockSizeError(
-            f"{view.nbytes} bytes given for {len(keys)} blocks of {size} bytes "
-            f"(layout {layout.model!r}); expected {size * len(keys)}"
-        )
-    return [view[i * size : (i + 1) * size] for i in range(len(keys))]

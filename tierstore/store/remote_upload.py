@@ -1,0 +1,289 @@
+"""Moving blocks down to the remote tier: DRAM/NVMe -> bucket.
+
+Provides ``RemoteUploader``, the write side of ``tierstore.store.remote``:
+- ``offer``: a copy of a block leaving DRAM is uploaded in the background
+  (never blocks: when ``remote_upload_queue_bytes`` are queued it is
+  skipped and counted);
+- ``queue_turn``: a long turn's chain is written through by the
+  ``tierstore-remote-writer`` thread (the blocks the bucket lacks, read
+  from the store through ``source``), then a manifest at every checkpoint
+  the uploaded prefix reaches;
+- ``flush``: wait for both; ``stop`` / ``join``: refuse new work and end
+  the writer.
+
+Every upload is a HEAD (content-addressed: present means done), then a
+PUT, at most ``remote_upload_concurrency`` at a time, retried with backoff
+for up to ``remote_upload_give_up_s`` while the tier is open.
+
+It gets its collaborators explicitly (the S3 client, the tier's counters,
+the answers cache, the last-use record, the tier's ``contains``) and never
+calls back into the tier. Threads: ``offer``, ``queue_turn`` and ``flush``
+on any thread (the demoter, gRPC handlers); the uploads run on the client's
+``tierstore-remote-io`` loop thread; write-through on the
+``tierstore-remote-writer`` thread, started through ``Workers``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from tierstore.config import RemoteConfig
+from tierstore.counters import Counters
+from tierstore.keys import BlockKey, KVLayout
+from tierstore.store import remote_format as fmt
+from tierstore.store.remote_cache import Answers, LastUse
+from tierstore.store.remote_client import ClientClosed, RemoteClient
+from tierstore.workers import Workers
+
+UPLOAD_COUNTERS = (
+    "remote_uploads", "remote_upload_bytes", "remote_uploads_failed", "remote_upload_retries",
+    "remote_uploads_skipped_present", "remote_uploads_skipped_full",
+    "remote_uploads_queued", "remote_upload_bytes_queued",  # gauges
+    "remote_write_through_turns", "remote_write_through_dropped", "remote_write_through_failed",
+    "remote_manifests_written",
+)  # fmt: skip
+
+# Fills ``out`` with a held block's bytes (DRAM or NVMe, verified); returns
+# its blake3 digest, or None if the block is no longer held. Set by the store.
+BlockSource = Callable[[KVLayout, BlockKey, memoryview], "bytes | None"]
+
+# The tier's ``contains(layout_fp, keys, timeout_s)``: whether the bucket
+# holds each key (a failed or unanswered HEAD is False).
+Contains = Callable[[bytes, Sequence[BlockKey], float], list[bool]]
+
+
+class RemoteUploader:
+    """The bounded upload queue and the write-through thread of one remote
+    tier. See the module docstring."""
+
+    def __init__(
+        self,
+        cfg: RemoteConfig,
+        client: RemoteClient,
+        counters: Counters,
+        answers: Answers,
+        last_use: LastUse,
+        contains: Contains,
+        workers: Workers,
+    ) -> None:
+        self.cfg, self.client, self.counters = cfg, client, counters
+        self.answers, self.last_use, self.contains = answers, last_use, contains
+        self.prefix = client.prefix
+        self.source: BlockSource | None = None
+        self._cond = threading.Condition()
+        self._queued_bytes = 0
+        self._pending = 0  # uploads queued or running, plus write-through jobs
+        self._closed = False
+        self._sem: asyncio.Semaphore | None = None  # made and used on the loop thread only
+        self._jobs: queue.Queue[tuple[KVLayout, list[BlockKey]] | None] = queue.Queue(64)
+        self._writer = workers.start("tierstore-remote-writer", self._write_loop)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _path(self, layout_fp: bytes, key: BlockKey) -> str:
+        return fmt.object_path(self.prefix, layout_fp, key)
+
+    # -- write-back -------------------------------------------------------------------
+
+    def offer(
+        self, layout_fp: bytes, key: BlockKey, data: memoryview, digest: bytes | None
+    ) -> bool:
+        """Queue an upload of a copy of ``data`` (a block leaving DRAM).
+        Never blocks; False when the queue is full or the tier closed."""
+        if self.answers.get(key, time.monotonic()) is True:
+            self.counters.add("remote_uploads_skipped_present")
+            return True
+        nbytes = fmt.HEADER_BYTES + data.nbytes
+        if not self._take_room(nbytes, block=False):
+            self.counters.add("remote_uploads_skipped_full")
+            return False
+        try:
+            buf = fmt.encode_block(layout_fp, key, data, digest)
+        except BaseException:
+            self._upload_done(nbytes)
+            raise
+        self._start_upload(self._path(layout_fp, key), key, buf)
+        return True
+
+    def _take_room(self, nbytes: int, block: bool) -> bool:
+        with self._cond:
+            while not self._closed:
+                if self._queued_bytes + nbytes <= self.cfg.remote_upload_queue_bytes or (
+                    self._queued_bytes == 0
+                ):
+                    self._queued_bytes += nbytes
+                    self._pending += 1
+                    self._gauges()
+                    return True
+                if not block:
+                    return False
+                self._cond.wait(1.0)
+            return False
+
+    def _gauges(self) -> None:  # under _cond
+        self.counters.set("remote_uploads_queued", self._pending)
+        self.counters.set("remote_upload_bytes_queued", self._queued_bytes)
+
+    def _upload_done(self, nbytes: int) -> None:
+        with self._cond:
+            self._queued_bytes -= nbytes
+            self._pending -= 1
+            self._gauges()
+            self._cond.notify_all()
+
+    def _start_upload(
+        self, path: str, key: BlockKey, buf: bytearray | bytes
+    ) -> concurrent.futures.Future[bool]:
+        try:
+            return self.client.submit(self._upload(path, key, buf))
+        except ClientClosed:  # closed meanwhile
+            self._upload_done(len(buf))
+            fut: concurrent.futures.Future[bool] = concurrent.futures.Future()
+            fut.set_result(False)
+            return fut
+
+    async def _upload(self, path: str, key: BlockKey, buf: bytearray | bytes) -> bool:
+        """HEAD first (content-addressed: present means done), then PUT;
+        failures retry with backoff while the tier is open."""
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.cfg.remote_upload_concurrency)
+        sem = self._sem
+        backoff, first = 0.25, time.monotonic()
+        try:
+            while True:
+                async with sem:
+                    present = await self.client.head(path)
+                    if present is True:
+                        self.counters.add("remote_uploads_skipped_present")
+                        done = True
+                    elif present is False and await self.client.put(path, buf):
+                        self.counters.add_many(
+                            {"remote_uploads": 1, "remote_upload_bytes": len(buf)}
+                        )
+                        done = True
+                    else:
+                        done = False
+                if done:
+                    self.answers.put([key], True, time.monotonic())
+                    self.last_use.note([path])
+                    return True
+                if self._closed or time.monotonic() - first > self.cfg.remote_upload_give_up_s:
+                    self.counters.add("remote_uploads_failed")
+                    return False
+                self.counters.add("remote_upload_retries")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+        except asyncio.CancelledError:  # the tier closed with this upload unfinished
+            self.counters.add("remote_uploads_failed")
+            raise
+        finally:
+            self._upload_done(len(buf))
+
+    # -- write-through ----------------------------------------------------------------
+
+    def queue_turn(self, layout: KVLayout, keys: Sequence[BlockKey]) -> bool:
+        """Queue a write-through of a finished turn's chain (the placement
+        already said yes). Never blocks; False if the job queue is full or
+        the tier closed."""
+        if self._closed:
+            return False
+        with self._cond:
+            self._pending += 1
+            self._gauges()
+        try:
+            self._jobs.put_nowait((layout, list(keys)))
+        except queue.Full:
+            self.counters.add("remote_write_through_dropped")
+            self._upload_done(0)
+            return False
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._write_through(*job)
+            except TimeoutError:  # the store did not answer in time: the turn stays local
+                self.counters.add("remote_write_through_failed")
+            except ClientClosed:  # the client closed under the job: shutting down
+                return
+            finally:
+                self._upload_done(0)
+
+    def _write_through(self, layout: KVLayout, keys: list[BlockKey]) -> None:
+        """Upload the chain's blocks that the bucket lacks, then a manifest at
+        every checkpoint the uploaded prefix reaches."""
+        fp, nbytes = layout.fingerprint, layout.block_bytes
+        self.counters.add("remote_write_through_turns")
+        present = self.contains(fp, keys, self.cfg.remote_request_timeout_s)
+        uploads: list[concurrent.futures.Future[bool]] = []
+        prefix = 0
+        for key, held in zip(keys, present):
+            if not held:
+                if self.source is None or not self._take_room(fmt.HEADER_BYTES + nbytes, True):
+                    break
+                buf = bytearray(fmt.HEADER_BYTES + nbytes)
+                digest = self.source(layout, key, memoryview(buf)[fmt.HEADER_BYTES :])
+                if digest is None:  # no longer held here: the chain stops
+                    self._upload_done(len(buf))
+                    break
+                buf[: fmt.HEADER_BYTES] = fmt.header(fmt.KIND_BLOCK, fp, key, digest, nbytes)
+                uploads.append(self._start_upload(self._path(fp, key), key, buf))
+            prefix += 1
+        for fut in uploads:
+            try:
+                ok = fut.result(
+                    self.cfg.remote_upload_give_up_s + self.cfg.remote_request_timeout_s
+                )
+            except concurrent.futures.TimeoutError:
+                ok = False
+            if not ok:
+                return  # a hole: no manifest may vouch for it
+        self._write_manifests(fp, keys, prefix)
+
+    def _write_manifests(self, fp: bytes, keys: list[BlockKey], prefix: int) -> None:
+        every = self.cfg.remote_manifest_every_blocks
+        for c in range(every - 1, prefix, every):
+            data = fmt.encode_manifest(fp, keys[c], c + 1)
+            path = fmt.manifest_path(self.prefix, fp, keys[c])
+            try:
+                if self.client.call(self.client.put(path, data), self.cfg.remote_request_timeout_s):
+                    self.counters.add("remote_manifests_written")
+            except TimeoutError:
+                return
+
+    # -- lifecycle --------------------------------------------------------------------
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every queued upload and write-through finished; False at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.5))
+        return True
+
+    def stop(self) -> None:
+        """Refuse new work, wake whoever waits for room, and tell the writer
+        to end after its current job. Does not wait (``join`` does)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        try:
+            self._jobs.put_nowait(None)
+        except queue.Full:
+            pass
+
+    def join(self, timeout_s: float) -> None:
+        self._writer.join(timeout=timeout_s)
