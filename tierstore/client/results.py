@@ -12,8 +12,8 @@ Runs in the engine process.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -21,9 +21,6 @@ import torch
 from tierstore.errors import LayoutError, TierstoreError
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.tiers import TierName
-
-if TYPE_CHECKING:
-    from tierstore.client.store_client import StoreClient
 
 
 class SidecarUnavailable(TierstoreError, ConnectionError):
@@ -78,24 +75,31 @@ class Pinned:
     from a view is still running when it returns: ``release`` first waits
     for the releasing thread's current stream (queue the copies there), as
     the sidecar may reuse the slots at once. ``engine_copies=False`` is the
-    client's own use, whose copies it has waited for already."""
+    client's own use, whose copies it has waited for already.
+
+    Built by the client with what releasing needs: the arena's tensor (the
+    views), ``release_pins`` (the Release call) and ``before_release`` (the
+    copier's wait for the engine's copies)."""
 
     def __init__(
         self,
-        client: StoreClient,
+        arena_tensor: torch.Tensor,
+        release_pins: Callable[[KVLayout, list[BlockKey]], None],
+        before_release: Callable[[], None],
         layout: KVLayout,
         keys: list[BlockKey],
         offsets: list[int],
         engine_copies: bool = True,
         tiers: tuple[TierName, ...] = (),
     ) -> None:
-        self.client = client
         self.layout = layout
         self.keys = keys
         self.offsets = offsets
         self.tiers = tiers  # where each block was found (DRAM, NVMe, PEER)
         n = layout.block_bytes
-        self.views = [client.arena_tensor[o : o + n] for o in offsets]
+        self.views = [arena_tensor[o : o + n] for o in offsets]
+        self._release_pins = release_pins
+        self._before_release = before_release
         self._engine_copies = engine_copies
         self._released = False
 
@@ -104,8 +108,8 @@ class Pinned:
             self._released = True
             self.views = []
             if self._engine_copies and self.keys:
-                self.client._copier.before_release()
-            self.client._release(self.layout, self.keys)
+                self._before_release()
+            self._release_pins(self.layout, self.keys)
 
     def __enter__(self) -> Pinned:
         return self

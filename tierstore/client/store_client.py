@@ -15,55 +15,48 @@ Operations: ``register``, ``store``, ``load``, ``lookup``, ``acquire`` /
 ``abort`` (fill arena slots in place), ``prefetch``, ``flush``,
 ``stat``, ``report_load``, ``report_tiers``, ``close``.
 
+Collaborators, a module each: ``control`` (channel, attach, calls),
+``arena_writer`` (reserve, copy, commit), ``hbm_writer`` (the HBM pool's
+fills, evictions, write-downs), ``releases``, ``prefetch``, ``tier_report``.
+
 Runs in the engine process. A client may be used from several threads; the
-HBM pool's writes are serialised by one lock.
+HBM pool's writes are serialised by one lock (``HbmWriter``'s).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
+from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
-import grpc
 import torch
 
+from tierstore.client.arena_writer import ArenaWriter
+from tierstore.client.control import ControlChannel
 from tierstore.client.copier import ArenaCopier, as_block_rows
 from tierstore.client.fastpath import FastLookupClient
-from tierstore.client.hbm import HbmEntry, HbmTier
+from tierstore.client.hbm import HbmTier
+from tierstore.client.hbm_writer import HbmWriter
+from tierstore.client.prefetch import Prefetcher
+from tierstore.client.releases import PendingReleases
 from tierstore.client.results import (
     ClientLookup,
     LoadResult,
     Pinned,
     PrefetchResult,
     Reserved,
-    ReserveStatus,
-    SidecarUnavailable,
-    rpc_error,
 )
-from tierstore.config import ServerConfig, load_config
-from tierstore.errors import BlockSizeError, LayoutError, TierstoreError
+from tierstore.client.tier_report import TierReporter
+from tierstore.config import load_config
+from tierstore.errors import BlockSizeError
 from tierstore.fastwire import fast_socket_path
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.memory.arena import Arena
 from tierstore.tiers import TIER_BY_CODE, TierName
-from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
-
-log = logging.getLogger(__name__)
-
-POLICY_CODES = {
-    "best_effort": local_pb2.PREFETCH_BEST_EFFORT,
-    "wait": local_pb2.PREFETCH_WAIT,
-    "timeout": local_pb2.PREFETCH_TIMEOUT,
-}
-OUTCOME_NAMES = {0: "started", 1: "done", 2: "late", 3: "cancelled"}
-HBM_PULL_CHUNK_BLOCKS = 64  # arena pins held at once while a prefetch fills HBM
+from tierstore.v1 import common_pb2, local_pb2
 
 
 class StoreClient:
@@ -89,34 +82,20 @@ class StoreClient:
         self.socket_path = socket_path or load_config().server.socket_path
         self.call_timeout_s = call_timeout_s
         self.device = torch.device(device)
-        self._channel = grpc.insecure_channel(
-            f"unix:{self.socket_path}",
-            options=[
-                ("grpc.max_receive_message_length", 4 << 20),
-                ("grpc.max_send_message_length", 4 << 20),
-            ],
+        self._releases = PendingReleases()  # in flight: every control call waits for them
+        self._control = ControlChannel(
+            self.socket_path,
+            name=name,
+            connect_timeout_s=connect_timeout_s,
+            call_timeout_s=call_timeout_s,
+            before_call=self._releases.settle,
         )
-        try:
-            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
-        except grpc.FutureTimeoutError:
-            self._channel.close()
-            raise SidecarUnavailable(
-                f"no tierstore sidecar answers on unix:{self.socket_path} within "
-                f"{connect_timeout_s}s; start one with `tierstore serve`"
-            ) from None
-        self._stub = local_pb2_grpc.LocalServiceStub(self._channel)
-        self._attach = self._stub.Attach(
-            local_pb2.AttachRequest(client_name=name or f"pid-{os.getpid()}", pid=os.getpid())
-        )
-        try:
-            hello = next(self._attach)
-        except grpc.RpcError as e:
-            self._channel.close()
-            raise rpc_error(e, "attach") from e
-        self.client_id = hello.client_id
-        self.max_batch_keys = hello.max_batch_keys or ServerConfig().max_batch_keys
-        self.server_version = hello.server_version
-        self.arena = Arena.attach(hello.arena_path, hello.arena_bytes)
+        self._stub = self._control.stub
+        self._channel = self._control.channel
+        self.client_id = self._control.client_id
+        self.max_batch_keys = self._control.max_batch_keys
+        self.server_version = self._control.server_version
+        self.arena = Arena.attach(self._control.arena_path, self._control.arena_bytes)
         self.arena_tensor = torch.frombuffer(self.arena.buf, dtype=torch.uint8)
         self._copier = ArenaCopier(self.arena_tensor, self.device)
         try:
@@ -125,35 +104,34 @@ class StoreClient:
             self._copier.close()
             del self.arena_tensor
             self.arena.close()
-            self._attach.cancel()
-            self._channel.close()
+            self._control.close()
             raise
-        self._hbm_lock = threading.Lock()
-        # Releases in flight: sent without waiting for the reply; the next
-        # control call waits for them first (see _release).
-        self._releases: list[grpc.Future] = []
-        self._releases_lock = threading.Lock()
-        self.release_errors = 0
-        self._layouts: dict[bytes, KVLayout] = {}
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-client")
+        self._arena_writer = ArenaWriter(self._control, self.arena, self._copier)
+        self._hbm_writer: HbmWriter | None = None
+        if self.hbm is not None:
+            self._hbm_writer = HbmWriter(
+                self.hbm,
+                self._copier,
+                self._control.layouts,
+                write_down=self._arena_writer.write,
+                # A prefetch copies the arena's blocks into HBM only.
+                load_into=lambda layout, keys: len(self._load_run(layout, keys, None, True)),
+                evict_batch_blocks=hbm_evict_batch_blocks,
+            )
+        self._prefetcher = Prefetcher(
+            self._control, self._hbm_writer.pull if self._hbm_writer is not None else None
+        )
         self._fast: FastLookupClient | None = None
         with contextlib.suppress(OSError):  # an older sidecar has none: gRPC serves lookups
             self._fast = FastLookupClient(fast_socket_path(self.socket_path), call_timeout_s)
-        self.connected = True
-        self._watcher = threading.Thread(target=self._watch, name="tierstore-attach", daemon=True)
-        self._watcher.start()
+        self._control.watch()
         # The HBM tier lives here: the sidecar shows it in `tierstore stat`
         # from these reports (every tier_report_s, and once at the start).
         self._stop_reports = threading.Event()
-        self._reporter: threading.Thread | None = None
+        self._reporter: TierReporter | None = None
         if self.hbm is not None:
-            self._reporter = threading.Thread(
-                target=self._report_tiers_loop,
-                args=(tier_report_s,),
-                name="tierstore-tier-report",
-                daemon=True,
-            )
-            self._reporter.start()
+            self._reporter = TierReporter(self.hbm, self._control, self._stop_reports)
+            self._reporter.start(tier_report_s)
         # Attach maps the arena without populating it (fast at any size); this
         # thread fills this process's page tables in the background (madvise,
         # no GIL), so that steady-state copies do not pay a page fault per
@@ -169,41 +147,24 @@ class StoreClient:
 
     # -- plumbing -------------------------------------------------------------------
 
-    def _watch(self) -> None:
-        try:
-            for _ in self._attach:
-                pass
-        except grpc.RpcError:
-            pass
-        self.connected = False
+    @property
+    def connected(self) -> bool:
+        """False once the Attach stream has ended (the sidecar is gone)."""
+        return self._control.connected
 
     def report_tiers(self) -> None:
         """Send this client's HBM tier's counters to the sidecar now (a
         background thread does it every ``tier_report_s``)."""
-        if self.hbm is None:
-            return
-        s = self.hbm.stats()
-        tier = common_pb2.TierStat(name=str(TierName.HBM), **asdict(s))
-        req = local_pb2.ReportTiersRequest(client_id=self.client_id, tiers=[tier])
-        self._call(self._stub.ReportTiers, req, "report tiers")
+        if self._reporter is not None:
+            self._reporter.report()
 
-    def _report_tiers_loop(self, every_s: float) -> None:
-        while True:
-            with contextlib.suppress(TierstoreError):  # a sidecar gone: nobody to tell
-                self.report_tiers()
-            if self._stop_reports.wait(every_s) or not self.connected:
-                return
+    @property
+    def release_errors(self) -> int:
+        """Releases that failed (their pins stay until this client detaches)."""
+        return self._releases.errors
 
     def _call(self, method: Any, request: Any, what: str) -> Any:
-        self._settle_releases()
-        try:
-            return method(request, timeout=self.call_timeout_s)
-        except grpc.RpcError as e:
-            raise rpc_error(e, what) from e
-
-    def _batches(self, keys: list[BlockKey]) -> Iterator[list[BlockKey]]:
-        for lo in range(0, len(keys), self.max_batch_keys):
-            yield keys[lo : lo + self.max_batch_keys]
+        return self._control.call(method, request, what)
 
     def _req(
         self,
@@ -212,30 +173,11 @@ class StoreClient:
         include_peers: bool = False,
         deadline_s: float = 0.0,
     ) -> local_pb2.KeysRequest:
-        return local_pb2.KeysRequest(
-            client_id=self.client_id,
-            layout_id=self.register(layout),
-            keys=b"".join(keys),
-            include_peers=include_peers,
-            deadline_s=deadline_s,
-        )
+        return self._control.request(layout, keys, include_peers, deadline_s)
 
     def register(self, layout: KVLayout) -> bytes:
         """Tell the sidecar about a layout (once per layout per client)."""
-        fp = layout.fingerprint
-        if fp not in self._layouts:
-            reply = self._call(
-                self._stub.RegisterLayout,
-                local_pb2.RegisterLayoutRequest(layout=common_pb2.Layout(**layout.to_dict())),
-                "register layout",
-            )
-            if reply.layout_id != fp:
-                raise LayoutError(
-                    "the sidecar computed another fingerprint for this layout: "
-                    "client and server versions disagree"
-                )
-            self._layouts[fp] = layout
-        return fp
+        return self._control.register(layout)
 
     # -- writes -----------------------------------------------------------------------
 
@@ -257,84 +199,14 @@ class StoreClient:
         keys = check_keys(keys)
         rows = as_block_rows(layout, len(keys), blocks)
         self.register(layout)  # HBM victims are written down under their layout later
-        if self.hbm is None:
-            return self._write_down(layout, keys, rows, session)
-        held = [True] * len(keys)
+        if self._hbm_writer is None:
+            return self._arena_writer.write(layout, keys, rows, session)
         self._copier.wait_engine()  # once: the rows were written before this call
-        with self._hbm_lock:
-            in_hbm = self.hbm.contains(keys)
-            for i, (key, row) in enumerate(zip(keys, rows)):
-                if in_hbm[i]:
-                    continue
-                slot = self._hbm_slot(key, layout, dirty=not write_through)
-                if slot is None:
-                    held[i] = False
-                    continue
-                self._copier.copy(slot, row, wait=False)
+        held = self._hbm_writer.put(layout, keys, rows, dirty=not write_through)
         if write_through:
-            down = self._write_down(layout, keys, rows, session)
+            down = self._arena_writer.write(layout, keys, rows, session)
             held = [a or b for a, b in zip(held, down)]
         self._copier.sync()
-        return held
-
-    def _hbm_slot(self, key: BlockKey, layout: KVLayout, dirty: bool) -> torch.Tensor | None:
-        """A pool slot for ``key``, evicting (and writing down) LRU blocks. Lock held."""
-        assert self.hbm is not None
-        nbytes = layout.block_bytes
-        slot = self.hbm.allocate(key, layout.fingerprint, nbytes, dirty)
-        while slot is None and not self.hbm.contains([key])[0]:
-            victims = self.hbm.take_victims(nbytes, max_blocks=self.hbm_evict_batch_blocks)
-            if not victims:
-                return None
-            self._evict_hbm(victims)
-            slot = self.hbm.allocate(key, layout.fingerprint, nbytes, dirty)
-        return slot
-
-    def _evict_hbm(self, victims: list[HbmEntry]) -> None:
-        """Write dirty victims down, then free their slots. Called with
-        ``_hbm_lock`` held; the lock is let go during the write-down (control
-        calls and copies), so other threads' HBM hits do not wait on the
-        sidecar. The victims stay readable and are not reused meanwhile
-        (taken, not freed)."""
-        assert self.hbm is not None
-        by_layout: dict[bytes, list[HbmEntry]] = {}
-        for v in victims:
-            if v.dirty:
-                by_layout.setdefault(v.layout_fp, []).append(v)
-        if by_layout:
-            self._hbm_lock.release()
-            try:
-                for fp, entries in by_layout.items():
-                    keys = [e.key for e in entries]
-                    self._write_down(self._layouts[fp], keys, [self.hbm.view(e) for e in entries])
-            finally:
-                self._hbm_lock.acquire()
-        self.hbm.free(victims)
-
-    def _write_down(
-        self, layout: KVLayout, keys: list[BlockKey], rows: list[torch.Tensor], session: str = ""
-    ) -> list[bool]:
-        """Reserve arena slots, copy, commit: two control calls per batch."""
-        held: list[bool] = []
-        n = layout.block_bytes
-        for lo in range(0, len(keys), self.max_batch_keys):
-            batch = keys[lo : lo + self.max_batch_keys]
-            reply = self._call(self._stub.Reserve, self._req(layout, batch), "reserve")
-            ok, src, dst = [], [], []
-            for j, (status, offset) in enumerate(zip(reply.statuses, reply.offsets)):
-                if status == local_pb2.RESERVE_OK:
-                    self.arena.ensure_ready(offset, n)  # page tables of a fresh unit, once
-                    ok.append(batch[j])
-                    src.append(rows[lo + j])
-                    dst.append(offset)
-                held.append(status != local_pb2.RESERVE_FULL)
-            # One streaming copy per run of slots adjacent in the arena and in ``rows``.
-            self._copier.copy_rows_to_arena(src, dst, n)
-            if ok:
-                self._copier.sync()
-                req = self._req(layout, ok)
-                req.session = session
-                self._call(self._stub.Commit, req, "commit")
         return held
 
     def reserve(self, layout: KVLayout, keys: Sequence[BlockKey]) -> Reserved:
@@ -342,44 +214,19 @@ class StoreClient:
         caller that writes blocks piecewise (an engine copying layer by layer
         out of its own pages) can fill them in place, then ``commit`` them (or
         ``abort``). Keys already held come back EXISTS: skip them."""
-        keys = check_keys(keys)[: self.max_batch_keys]
-        reply = self._call(self._stub.Reserve, self._req(layout, keys), "reserve")
-        return Reserved(keys, tuple(ReserveStatus(s) for s in reply.statuses), tuple(reply.offsets))
+        return self._arena_writer.reserve(layout, check_keys(keys))
 
     def commit(self, layout: KVLayout, keys: Sequence[BlockKey]) -> list[bool]:
         """Make reserved (and written) blocks readable. Returns which were committed."""
-        keys = check_keys(keys)
-        if not keys:
-            return []
-        reply = self._call(self._stub.Commit, self._req(layout, keys), "commit")
-        return [bool(f) for f in reply.flags]
+        return self._arena_writer.commit(layout, check_keys(keys))
 
     def abort(self, layout: KVLayout, keys: Sequence[BlockKey]) -> int:
         """Give back reservations that will not be written. Returns how many."""
-        keys = check_keys(keys)
-        if not keys:
-            return 0
-        return int(self._call(self._stub.Abort, self._req(layout, keys), "abort").count)
+        return self._arena_writer.abort(layout, check_keys(keys))
 
     def flush(self) -> int:
         """Write every HBM-only block down to the sidecar. Returns how many."""
-        if self.hbm is None:
-            return 0
-        with self._hbm_lock:
-            # Held: out of eviction's way, so their slots are not reused while
-            # they are written down without the lock.
-            dirty = self.hbm.hold_dirty()
-        try:
-            by_layout: dict[bytes, list[HbmEntry]] = {}
-            for e in dirty:
-                by_layout.setdefault(e.layout_fp, []).append(e)
-            for fp, entries in by_layout.items():
-                keys = [e.key for e in entries]
-                self._write_down(self._layouts[fp], keys, [self.hbm.view(e) for e in entries])
-                self.hbm.mark_clean(keys)
-        finally:
-            self.hbm.unhold(dirty)
-        return len(dirty)
+        return self._hbm_writer.flush() if self._hbm_writer is not None else 0
 
     # -- reads ------------------------------------------------------------------------
 
@@ -452,43 +299,27 @@ class StoreClient:
         for offset in offsets:  # page tables of units this process has not mapped yet
             self.arena.ensure_ready(offset, layout.block_bytes)
         tiers = tuple(TIER_BY_CODE[c] for c in reply.tiers)
-        return Pinned(self, layout, keys[: len(offsets)], offsets, engine_copies, tiers)
+        return Pinned(
+            self.arena_tensor,
+            self._release,
+            self._copier.before_release,
+            layout,
+            keys[: len(offsets)],
+            offsets,
+            engine_copies,
+            tiers,
+        )
 
     def _release(self, layout: KVLayout, keys: list[BlockKey]) -> None:
         """Drop the pins without waiting for the reply: a load's copies are
         done by now, so the round trip need not be on its path. Every later
         control call of this client waits for the releases sent before it
-        (``_settle_releases``), so what it sees or does comes after them."""
+        (``PendingReleases.settle``), so what it sees or does comes after them."""
         if keys and self.connected:
             # Several releases in a row go out together; at most one per
             # acquire made since the last control call is in flight.
             future = self._stub.Release.future(self._req(layout, keys), timeout=self.call_timeout_s)
-            with self._releases_lock:
-                self._releases.append(future)
-
-    def _settle_releases(self) -> None:
-        """Wait for the releases in flight (each within the call timeout). A
-        failed one is logged and counted (``release_errors``) once, by the
-        thread that takes it off the list: its pins stay until this client
-        detaches, when the sidecar drops them all."""
-        if not self._releases:
-            return
-        with self._releases_lock:
-            pending = list(self._releases)
-        for future in pending:
-            future.exception()  # waits; bounded by the call's own timeout
-        with self._releases_lock:
-            waited = {id(f) for f in pending}
-            mine = [f for f in self._releases if id(f) in waited]
-            self._releases = [f for f in self._releases if id(f) not in waited]
-        for future in mine:
-            error = future.exception()
-            if isinstance(error, grpc.RpcError):
-                self.release_errors += 1
-                log.warning(
-                    "release: %s (pins kept until this client detaches)",
-                    rpc_error(error, "release"),
-                )
+            self._releases.add(future)
 
     def load(
         self,
@@ -521,20 +352,14 @@ class StoreClient:
         # One deadline for the whole load, however many calls it takes.
         deadline = time.monotonic() + deadline_s if deadline_s > 0 else None
         in_hbm = self.hbm.contains(keys) if self.hbm is not None else [False] * len(keys)
+        hbm = self._hbm_writer
         tiers: list[TierName] = []
         i = 0
         while i < len(keys):
-            if in_hbm[i] and self.hbm is not None:
-                # Under the pool's lock: a prefetch thread evicting this block
-                # could otherwise reuse its slot between get and copy.
-                with self._hbm_lock:
-                    (view,) = self.hbm.get([keys[i]])
-                    if view is not None:
-                        self._copier.copy(rows[i], view)
-                if view is not None:
-                    tiers.append(TierName.HBM)
-                    i += 1
-                    continue
+            if in_hbm[i] and hbm is not None and hbm.read_into(keys[i], rows[i]):
+                tiers.append(TierName.HBM)
+                i += 1
+                continue
             end = i + 1  # a run of blocks the sidecar must supply
             while end < len(keys) and end - i < self.max_batch_keys and not in_hbm[end]:
                 end += 1
@@ -557,21 +382,19 @@ class StoreClient:
         self,
         layout: KVLayout,
         keys: list[BlockKey],
-        rows: torch.Tensor,
+        rows: torch.Tensor | None,
         promote: bool,
         include_peers: bool = False,
         deadline_s: float = 0.0,
     ) -> list[TierName]:
         # Acquire says where each block was found (and asks the peers, once,
         # for what is missing here): two control calls per run, acquire and release.
+        # ``rows`` None: nothing is copied out (a prefetch into HBM promotes only).
         with self._acquire(layout, keys, include_peers, deadline_s, False) as pinned:
-            self._copier.copy_runs(rows, pinned.offsets, layout.block_bytes)
-            if promote and self.hbm is not None:
-                with self._hbm_lock:
-                    for key, view in zip(pinned.keys, pinned.views):
-                        slot = self._hbm_slot(key, layout, dirty=False)
-                        if slot is not None:
-                            self._copier.copy(slot, view)
+            if rows is not None:
+                self._copier.copy_runs(rows, pinned.offsets, layout.block_bytes)
+            if promote and self._hbm_writer is not None:
+                self._hbm_writer.promote(layout, pinned.keys, pinned.views)
             self._copier.sync()  # copies out of the arena end before the pins go
             if len(pinned.tiers) == len(pinned.keys):
                 return list(pinned.tiers)
@@ -598,53 +421,7 @@ class StoreClient:
         return when the sidecar is done or at the deadline (``timeout_s``, or
         the server's base + per-1k-tokens rule when 0), after bringing the
         ready blocks into HBM."""
-        if policy not in POLICY_CODES:
-            raise ValueError(
-                f"unknown prefetch policy {policy!r}; use one of {sorted(POLICY_CODES)}"
-            )
-        keys = check_keys(keys)[: self.max_batch_keys]
-        reply = self._call(
-            self._stub.Prefetch,
-            local_pb2.PrefetchRequest(
-                client_id=self.client_id,
-                layout_id=self.register(layout),
-                keys=b"".join(keys),
-                policy=POLICY_CODES[policy],
-                timeout_s=timeout_s,
-            ),
-            "prefetch",
-        )
-        outcome = OUTCOME_NAMES[reply.outcome]
-        if policy != "best_effort":
-            if self.hbm is not None and reply.ready_blocks:
-                self._pull_into_hbm(layout, keys[: reply.ready_blocks])
-            return PrefetchResult(outcome, reply.ready_blocks, reply.available_blocks)
-        if self.hbm is None or outcome == "cancelled" or not reply.available_blocks:
-            done: Future[PrefetchResult] = Future()
-            done.set_result(PrefetchResult(outcome, 0, reply.available_blocks))
-            return done
-        return self._background.submit(
-            lambda: PrefetchResult(
-                outcome,
-                self._pull_into_hbm(layout, keys[: reply.available_blocks]),
-                reply.available_blocks,
-            )
-        )
-
-    def _pull_into_hbm(self, layout: KVLayout, keys: list[BlockKey]) -> int:
-        """Copy the available prefix of ``keys`` into HBM (what is not there
-        yet), ``HBM_PULL_CHUNK_BLOCKS`` pins at a time. Returns the length of
-        the prefix now in HBM."""
-        assert self.hbm is not None
-        for lo in range(0, len(keys), HBM_PULL_CHUNK_BLOCKS):
-            chunk = keys[lo : lo + HBM_PULL_CHUNK_BLOCKS]
-            missing = [k for k, held in zip(chunk, self.hbm.contains(chunk)) if not held]
-            if missing:
-                scratch = self._copier.empty_rows(len(missing), layout.block_bytes)
-                if len(self._load_run(layout, missing, scratch, promote=True)) < len(missing):
-                    break  # a gap: evicted meanwhile
-        in_hbm = self.hbm.contains(keys)
-        return in_hbm.index(False) if False in in_hbm else len(keys)
+        return self._prefetcher.prefetch(layout, keys, policy, timeout_s)
 
     def end_turn(
         self,
@@ -711,17 +488,15 @@ class StoreClient:
             return
         self._closed = True
         with contextlib.suppress(Exception):  # a sidecar gone: detaching drops the pins
-            self._settle_releases()
+            self._releases.settle()
         self._stop_reports.set()
         if self._reporter is not None:
-            self._reporter.join(timeout=self.call_timeout_s)
+            self._reporter.join(self.call_timeout_s)
         self._populator.join()  # it stops at the next unit; never madvise an unmapped range
-        self._background.shutdown(wait=True)
+        self._prefetcher.close()
         if self._fast is not None:
             self._fast.close()
-        self._attach.cancel()
-        self._channel.close()
-        self._watcher.join(timeout=5)
+        self._control.close()
         self._copier.close()
         if self.hbm is not None:
             self.hbm.close()

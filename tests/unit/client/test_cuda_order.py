@@ -4,7 +4,6 @@ recorders (the real calls run in test_cuda.py, on a GPU)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -105,13 +104,16 @@ def test_a_refused_registration_is_not_unregistered(log: list[Any]) -> None:
 
 def _pinned(log: list[Any], engine_copies: bool) -> Pinned:
     arena = torch.zeros(4 * SMALL_LAYOUT.block_bytes, dtype=torch.uint8)
-    client: Any = SimpleNamespace(
-        arena_tensor=arena,
-        _copier=SimpleNamespace(before_release=lambda: log.append(("before release",))),
-        _release=lambda layout, keys: log.append(("release rpc", len(keys))),
-    )
     keys = chain_keys(SMALL_LAYOUT, list(range(16)))
-    return Pinned(client, SMALL_LAYOUT, keys, [0, SMALL_LAYOUT.block_bytes], engine_copies)
+    return Pinned(
+        arena,
+        lambda layout, keys: log.append(("release rpc", len(keys))),
+        lambda: log.append(("before release",)),
+        SMALL_LAYOUT,
+        keys,
+        [0, SMALL_LAYOUT.block_bytes],
+        engine_copies,
+    )
 
 
 def test_release_waits_for_the_engine_copies_before_the_sidecar_may_reuse(
