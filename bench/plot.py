@@ -52,7 +52,8 @@ def plot_ttft(data: dict, out: Path) -> None:
 def plot_peer(data: dict, out: Path) -> None:
     rows = [
         ("raw TCP", data["raw_tcp_gbps"], "#999"),
-        ("CPU ceiling (2 hashes)", data.get("cpu_ceiling_gbps"), "#bbb"),
+        ("ceiling, 1 hash (computed)", data.get("cpu_ceiling_one_hash_gbps"), "#bbb"),
+        ("raw TCP + verify (measured)", data.get("raw_tcp_verified_gbps"), "#bbb"),
         ("peer fetch", data["peer_fetch_gbps"], "#4c72b0"),
         ("peer load", data["peer_load_gbps"], "#4c72b0"),
         ("import (push)", data["import_gbps"], "#55a868"),
@@ -64,6 +65,7 @@ def plot_peer(data: dict, out: Path) -> None:
     bars = ax.barh(names[::-1], vals[::-1], color=colors[::-1])
     for bar, v in zip(bars, vals[::-1]):
         ax.text(v, bar.get_y() + bar.get_height() / 2, f" {v:.2f}", va="center", fontsize=9)
+    ax.set_xlim(0, max(vals) * 1.12)  # room for the labels
     ax.set_xlabel("GB/s, loopback, same run")
     ax.set_title(f"Peer transfer of a {data['delta_bytes'] / 2**20:.0f} MiB delta")
     fig.tight_layout()
