@@ -52,6 +52,23 @@ class ReplicaLedger:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def oldest_covering(
+        self, nbytes: int, budget_bytes: int, limit: int, skip: set[BlockKey]
+    ) -> list[BlockKey]:
+        """The fewest of the ``limit`` oldest replicas, ``skip`` left out,
+        whose bytes would make room for ``nbytes`` more within the budget
+        now: none if it fits (or if all of those are skipped). O(limit)."""
+        with self._lock:
+            deficit = self._used_bytes + self._pending_bytes + nbytes - budget_bytes
+            keys: list[BlockKey] = []
+            for key, size in itertools.islice(self._blocks.items(), limit):
+                if deficit <= 0:
+                    break
+                if key not in skip:
+                    keys.append(key)
+                    deficit -= size
+            return keys
+
     def oldest_aged(self, limit: int, now: float) -> list[tuple[BlockKey, float]]:
         """Up to ``limit`` replicas, least recently pushed first, each with
         the seconds since its last push."""
@@ -148,19 +165,18 @@ def make_replica_room(
     if nbytes > budget_bytes:
         return False
     prune_gone(ledger, held)
-    # Oldest first, read a bounded batch at a time (never the whole
-    # ledger); a pinned replica stays (and stays counted), so a batch that
-    # frees nothing ends the search.
+    # Oldest first, only as many as the shortfall needs, from the
+    # ``batch_blocks`` oldest (never the whole ledger): one drop and one
+    # residency check per round. A pinned replica stays (and stays counted)
+    # and is passed over in the next round; when the oldest batch has
+    # nothing left to drop, the search ends.
+    pinned: set[BlockKey] = set()
     while not ledger.reserve(nbytes, budget_bytes):
-        batch = ledger.oldest(batch_blocks)
-        freed = False
-        for key in batch:
-            drop([key])
-            if not held([key])[0]:
-                ledger.discard([key])
-                freed = True
-                if ledger.reserve(nbytes, budget_bytes):
-                    return True
-        if not freed:
-            return False
+        victims = ledger.oldest_covering(nbytes, budget_bytes, batch_blocks, pinned)
+        if not victims:  # it fits now (an import settled meanwhile), or nothing to drop
+            return ledger.reserve(nbytes, budget_bytes)
+        drop(victims)
+        stayed = held(victims)
+        pinned.update(key for key, still in zip(victims, stayed) if still)
+        ledger.discard([key for key, still in zip(victims, stayed) if not still])
     return True
