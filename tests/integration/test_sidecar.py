@@ -42,6 +42,33 @@ def sidecar(tmp_path):
     proc.stop()
 
 
+@pytest.mark.parametrize("failing", ["ArenaCopier", "HbmTier"])
+def test_a_client_whose_start_fails_half_way_detaches(
+    sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """Pinning refused or the device pool out of memory after the attach:
+    the client unmaps the arena and ends its Attach stream before raising,
+    so the sidecar does not keep it (nor its pins) until it exits."""
+    import tierstore.client.store_client as module
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{failing} refused")
+
+    with StoreClient(str(sidecar.socket), name="watcher") as watcher:
+        monkeypatch.setattr(module, failing, refuse)
+        with pytest.raises(RuntimeError, match="refused") as failed:
+            StoreClient(str(sidecar.socket), name="half-started", hbm_bytes=64 << 10)
+        monkeypatch.undo()
+        # The traceback keeps the half-built client alive, as an engine's
+        # error handling or log may: only its own cleanup detaches it.
+        assert failed.traceback
+        deadline = time.monotonic() + 10
+        while [c.name for c in watcher.stat().clients] != ["watcher"]:
+            assert time.monotonic() < deadline, [c.name for c in watcher.stat().clients]
+            time.sleep(0.05)
+        del failed
+
+
 def test_round_trip_from_dram_and_nvme(sidecar: SidecarProcess) -> None:
     keys, data = keys_for(300), blocks(300)
     with StoreClient(str(sidecar.socket)) as client:

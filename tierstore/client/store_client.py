@@ -95,17 +95,19 @@ class StoreClient:
         self.client_id = self._control.client_id
         self.max_batch_keys = self._control.max_batch_keys
         self.server_version = self._control.server_version
-        self.arena = Arena.attach(self._control.arena_path, self._control.arena_bytes)
-        self.arena_tensor = torch.frombuffer(self.arena.buf, dtype=torch.uint8)
-        self._copier = ArenaCopier(self.arena_tensor, self.device)
-        try:
+        # A start that fails half way (no room to map the arena, pinning
+        # refused, CUDA out of memory) undoes what it did, in reverse: unpin,
+        # unmap, detach (the sidecar would otherwise keep this client).
+        with contextlib.ExitStack() as undo:
+            undo.callback(self._control.close)
+            self.arena = Arena.attach(self._control.arena_path, self._control.arena_bytes)
+            undo.callback(self.arena.close)
+            self.arena_tensor = torch.frombuffer(self.arena.buf, dtype=torch.uint8)
+            undo.callback(delattr, self, "arena_tensor")
+            self._copier = ArenaCopier(self.arena_tensor, self.device)
+            undo.callback(self._copier.close)
             self.hbm = HbmTier(hbm_bytes, self.device) if hbm_bytes > 0 else None
-        except BaseException:  # e.g. CUDA out of memory: unpin and unmap before raising
-            self._copier.close()
-            del self.arena_tensor
-            self.arena.close()
-            self._control.close()
-            raise
+            undo.pop_all()
         self._arena_writer = ArenaWriter(self._control, self.arena, self._copier)
         self._hbm_writer: HbmWriter | None = None
         if self.hbm is not None:
