@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 import time
@@ -208,7 +209,10 @@ class RemoteUploader:
     def _write_loop(self) -> None:
         while True:
             job = self._jobs.get()
-            if job is None:
+            if job is None or self._closed:
+                # Closing (the stop signal, or a full queue had no room for
+                # it): this and the queued turns stay local.
+                self._drop_queued(job)
                 return
             try:
                 self._write_through(*job)
@@ -218,6 +222,20 @@ class RemoteUploader:
                 return
             finally:
                 self._upload_done(0)
+
+    def _drop_queued(self, job: tuple[KVLayout, list[BlockKey]] | None) -> None:
+        dropped = 0 if job is None else 1
+        while True:
+            try:
+                dropped += self._jobs.get_nowait() is not None
+            except queue.Empty:
+                break
+        if dropped:
+            self.counters.add("remote_write_through_dropped", dropped)
+            with self._cond:
+                self._pending -= dropped
+                self._gauges()
+                self._cond.notify_all()
 
     def _write_through(self, layout: KVLayout, keys: list[BlockKey]) -> None:
         """Upload the chain's blocks that the bucket lacks, then a manifest at
@@ -276,14 +294,13 @@ class RemoteUploader:
 
     def stop(self) -> None:
         """Refuse new work, wake whoever waits for room, and tell the writer
-        to end after its current job. Does not wait (``join`` does)."""
+        to end after its current job (the queued ones stay local). Does not
+        wait (``join`` does)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        try:
+        with contextlib.suppress(queue.Full):  # full: the writer sees _closed at its next job
             self._jobs.put_nowait(None)
-        except queue.Full:
-            pass
 
     def join(self, timeout_s: float) -> None:
         self._writer.join(timeout=timeout_s)
