@@ -314,7 +314,7 @@ def receive_blocks(
     result = ReceiveResult()
     reservations = {r.key: r for r in store.reserve(layout, keys, owner)}
     size = layout.block_bytes
-    scratch = memoryview(bytearray(size))
+    scratch: memoryview | None = None  # for blocks read and discarded: made on first use
     pending: deque[tuple[BlockKey, bytes, Future[bool]]] = deque()
     committed: list[BlockKey] = []
     failed = False
@@ -352,11 +352,12 @@ def receive_blocks(
                     f"block {block_bytes} (want {size}), payload {payload_bytes}"
                 )
             res = reservations.get(key)
-            slot = (
-                store.reserved_view(res, size)
-                if res is not None and res.status == ReserveStatus.OK
-                else scratch
-            )
+            keep = res is not None and res.status == ReserveStatus.OK
+            if res is not None and keep:
+                slot = store.reserved_view(res, size)
+            else:
+                scratch = scratch if scratch is not None else memoryview(bytearray(size))
+                slot = scratch
             if flags & codec.FLAG_ZSTD_BYTESPLIT:
                 payload = memoryview(bytearray(payload_bytes))
                 recv_into_exact(conn, payload, deadline)
@@ -370,7 +371,7 @@ def receive_blocks(
                 recv_into_exact(conn, slot, deadline)
             result.bytes += payload_bytes
             result.last_byte_at = time.monotonic()
-            if slot is not scratch:  # held already or no room: not ours to keep
+            if keep:  # else held already or no room: not ours to keep
                 pending.append((key, digest, verifier.submit(slot, digest)))
             settle(wait=False)
     except (OSError, TransferError) as e:
