@@ -385,10 +385,12 @@ class RemoteConfig:
     remote_gc_interval_s: float = 60.0  # how often one host checks the budget
     remote_gc_low_watermark: float = 0.9  # GC deletes down to this share of remote_bytes
     remote_gc_max_objects: int = 1_000_000  # objects listed per GC pass at most
+    remote_gc_list_timeout_s: float = 60.0  # deadline of one GC pass's listing of the prefix
     remote_placement: str = "both"  # write_back | write_through | both (see operations.md)
     remote_min_tokens: int = 8192  # turns this long are written through at EndTurn
     remote_upload_queue_bytes: int = 256 << 20  # upload copies waiting or in flight
     remote_upload_concurrency: int = 8  # uploads in flight
+    remote_write_through_queue_turns: int = 64  # finished turns waiting to be written through
     remote_read_depth: int = 8  # GETs in flight while one request pulls blocks
     remote_lookup_concurrency: int = 64  # HEADs in flight in one lookup wave
     remote_lookup_window_blocks: int = 64  # blocks probed past the last manifest per wave
@@ -402,6 +404,8 @@ class RemoteConfig:
     remote_cache_keys: int = 1 << 16  # remembered answers (present / absent) of lookups
     remote_cache_ttl_s: float = 30.0  # a remembered answer is trusted this long
     remote_upload_give_up_s: float = 300.0  # a failing upload is retried this long
+    remote_upload_backoff_s: float = 0.25  # a failed upload's first wait; doubles
+    remote_upload_backoff_max_s: float = 5.0  # ... up to this
     remote_flush_on_close_s: float = 10.0  # close waits this long for queued uploads
 
     def __post_init__(self) -> None:
@@ -429,6 +433,7 @@ class RemoteConfig:
             "remote_min_tokens",
             "remote_upload_queue_bytes",
             "remote_upload_concurrency",
+            "remote_write_through_queue_turns",
             "remote_read_depth",
             "remote_lookup_concurrency",
             "remote_lookup_window_blocks",
@@ -446,8 +451,15 @@ class RemoteConfig:
             "remote_retry_backoff_s",
             "remote_cache_ttl_s",
             "remote_upload_give_up_s",
+            "remote_gc_list_timeout_s",
+            "remote_upload_backoff_s",
         )
         _at_least(self, 0, "remote_flush_on_close_s")
+        if self.remote_upload_backoff_max_s < self.remote_upload_backoff_s:
+            raise ConfigError(
+                f"remote_upload_backoff_max_s ({self.remote_upload_backoff_max_s}) must be at "
+                f"least remote_upload_backoff_s ({self.remote_upload_backoff_s})"
+            )
 
 
 SECTIONS: dict[str, type] = {

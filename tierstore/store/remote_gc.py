@@ -73,7 +73,7 @@ class RemoteGC:
         try:
             listed = self.client.call(
                 self.client.list_objects(under or "", self.cfg.remote_gc_max_objects),
-                self.cfg.remote_request_timeout_s * 6,
+                self.cfg.remote_gc_list_timeout_s,
             )
         except TimeoutError:
             listed = None

@@ -81,7 +81,9 @@ class RemoteUploader:
         self._pending = 0  # uploads queued or running, plus write-through jobs
         self._closed = False
         self._sem: asyncio.Semaphore | None = None  # made and used on the loop thread only
-        self._jobs: queue.Queue[tuple[KVLayout, list[BlockKey]] | None] = queue.Queue(64)
+        self._jobs: queue.Queue[tuple[KVLayout, list[BlockKey]] | None] = queue.Queue(
+            cfg.remote_write_through_queue_turns
+        )
         self._writer = workers.start("tierstore-remote-writer", self._write_loop)
 
     @property
@@ -156,7 +158,7 @@ class RemoteUploader:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.cfg.remote_upload_concurrency)
         sem = self._sem
-        backoff, first = 0.25, time.monotonic()
+        backoff, first = self.cfg.remote_upload_backoff_s, time.monotonic()
         try:
             while True:
                 async with sem:
@@ -180,7 +182,7 @@ class RemoteUploader:
                     return False
                 self.counters.add("remote_upload_retries")
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                backoff = min(backoff * 2, self.cfg.remote_upload_backoff_max_s)
         except asyncio.CancelledError:  # the tier closed with this upload unfinished
             self.counters.add("remote_uploads_failed")
             raise

@@ -35,7 +35,8 @@ def test_close_with_a_full_job_queue_ends_the_writer_after_its_current_job() -> 
     counters = Counters(UPLOAD_COUNTERS)
     client = cast(RemoteClient, SimpleNamespace(prefix="p"))
     uploader = RemoteUploader(
-        RemoteConfig(remote_manifest_every_blocks=1 << 20), client, counters,
+        RemoteConfig(remote_manifest_every_blocks=1 << 20, remote_write_through_queue_turns=4),
+        client, counters,
         Answers(16, 60.0), LastUse(16), contains, workers,
     )  # fmt: skip
     keys = chain_keys(SMALL_LAYOUT, list(range(8)))
@@ -44,7 +45,7 @@ def test_close_with_a_full_job_queue_ends_the_writer_after_its_current_job() -> 
     queued = 0
     while uploader.queue_turn(SMALL_LAYOUT, keys):
         queued += 1
-    assert queued > 0  # the queue is full now: no room for the stop signal
+    assert queued == 4  # the queue is full now: no room for the stop signal
     uploader.stop()
     go_on.set()
     uploader.join(WAIT_S)
