@@ -33,7 +33,8 @@ HBM_PULL_CHUNK_BLOCKS = 64  # arena pins held at once while a prefetch fills HBM
 
 # (layout, keys, rows) -> whether the sidecar holds each block now
 WriteDown = Callable[[KVLayout, list[BlockKey], list[torch.Tensor]], list[bool]]
-# (layout, keys) -> length of the prefix pinned in the arena and copied into HBM
+# (layout, keys) -> length of the prefix pinned in the arena, whose blocks
+# were offered to ``promote`` (each copied into HBM if a slot was found)
 LoadInto = Callable[[KVLayout, list[BlockKey]], int]
 
 

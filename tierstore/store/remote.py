@@ -20,7 +20,8 @@ Provides ``RemoteTier``:
 
 The uploader and the GC get their collaborators from the tier (the client,
 the counters, the answers cache and last-use record of
-``tierstore.store.remote_cache``), never the tier itself.
+``tierstore.store.remote_cache``; the uploader also the tier's public
+``contains``), never the tier itself.
 
 Lookup cost: wave 1 sends, at once, a GET of the manifest at every
 checkpoint (every ``remote_manifest_every_blocks`` blocks of the chain) and

@@ -16,8 +16,8 @@ PUT, at most ``remote_upload_concurrency`` at a time, retried with backoff
 for up to ``remote_upload_give_up_s`` while the tier is open.
 
 It gets its collaborators explicitly (the S3 client, the tier's counters,
-the answers cache, the last-use record, the tier's ``contains``) and never
-calls back into the tier. Threads: ``offer``, ``queue_turn`` and ``flush``
+the answers cache, the last-use record, the tier's ``contains``) and calls
+nothing else of the tier. Threads: ``offer``, ``queue_turn`` and ``flush``
 on any thread (the demoter, gRPC handlers); the uploads run on the client's
 ``tierstore-remote-io`` loop thread; write-through on the
 ``tierstore-remote-writer`` thread, started through ``Workers``.
@@ -194,18 +194,18 @@ class RemoteUploader:
     def queue_turn(self, layout: KVLayout, keys: Sequence[BlockKey]) -> bool:
         """Queue a write-through of a finished turn's chain (the placement
         already said yes). Never blocks; False if the job queue is full or
-        the tier closed."""
-        if self._closed:
-            return False
+        the tier closed. Under the lock with ``stop``: a turn accepted is
+        either written or counted as dropped, never left pending."""
         with self._cond:
-            self._pending += 1
+            if self._closed:
+                return False
+            try:
+                self._jobs.put_nowait((layout, list(keys)))
+            except queue.Full:
+                self.counters.add("remote_write_through_dropped")
+                return False
+            self._pending += 1  # before the writer's _upload_done: it needs the lock
             self._gauges()
-        try:
-            self._jobs.put_nowait((layout, list(keys)))
-        except queue.Full:
-            self.counters.add("remote_write_through_dropped")
-            self._upload_done(0)
-            return False
         return True
 
     def _write_loop(self) -> None:
@@ -220,8 +220,8 @@ class RemoteUploader:
                 self._write_through(*job)
             except TimeoutError:  # the store did not answer in time: the turn stays local
                 self.counters.add("remote_write_through_failed")
-            except ClientClosed:  # the client closed under the job: shutting down
-                return
+            except (ClientClosed, concurrent.futures.CancelledError):
+                return  # the client closed (its uploads cancelled) under the job: shutting down
             finally:
                 self._upload_done(0)
 
@@ -301,8 +301,8 @@ class RemoteUploader:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        with contextlib.suppress(queue.Full):  # full: the writer sees _closed at its next job
-            self._jobs.put_nowait(None)
+            with contextlib.suppress(queue.Full):  # full: the writer sees _closed at its next job
+                self._jobs.put_nowait(None)
 
     def join(self, timeout_s: float) -> None:
         self._writer.join(timeout=timeout_s)

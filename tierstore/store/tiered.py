@@ -6,8 +6,9 @@ Provides batched two-phase writes (``reserve`` / ``commit`` / ``abort``, or
 to DRAM on hit and pin), forced ``demote`` and ``drop``, ``stat``, and what
 the services ask of it instead of reaching into its tiers. Its parts are
 built from the config by ``tierstore.store.build``; its helpers get them
-explicitly and never call back into the store (``replicas``: replica room;
-``stat``: the figures; ``digests``, ``layouts``, ``buffers``, ``results``).
+explicitly and never reach into the store's privates (``replicas``: replica
+room, given the store's public ``held`` / ``drop``; ``stat``: the figures;
+``digests``, ``layouts``, ``buffers``, ``results``).
 
 The remote tier (``tierstore.store.remote``, when ``remote_url`` is set)
 hangs off ``self.remote`` and is touched in few places, each marked

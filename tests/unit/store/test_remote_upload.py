@@ -4,6 +4,7 @@ even when the job queue had no room for the stop signal."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections.abc import Sequence
 from types import SimpleNamespace
@@ -54,3 +55,23 @@ def test_close_with_a_full_job_queue_ends_the_writer_after_its_current_job() -> 
     dropped = counters.snapshot()["remote_write_through_dropped"]
     assert dropped == queued + 1  # the queued ones, and the one refused when it was full
     assert uploader.flush(0.0)  # nothing left pending
+
+
+def test_a_job_cancelled_by_the_client_closing_ends_the_writer_quietly() -> None:
+    """At close the client cancels what is in flight: the writer ends, and
+    is not reported as a dead worker (the sidecar would turn NOT_SERVING)."""
+
+    def contains(fp: bytes, keys: Sequence[BlockKey], timeout_s: float) -> list[bool]:
+        raise concurrent.futures.CancelledError
+
+    workers = Workers()
+    uploader = RemoteUploader(
+        RemoteConfig(), cast(RemoteClient, SimpleNamespace(prefix="p")), Counters(UPLOAD_COUNTERS),
+        Answers(16, 60.0), LastUse(16), contains, workers,
+    )  # fmt: skip
+    assert uploader.queue_turn(SMALL_LAYOUT, chain_keys(SMALL_LAYOUT, list(range(8))))
+    uploader.join(WAIT_S)
+    assert not uploader._writer.is_alive() and not workers.failed()
+    assert uploader.flush(0.0)
+    uploader.stop()
+    assert not uploader.queue_turn(SMALL_LAYOUT, chain_keys(SMALL_LAYOUT, list(range(8))))
