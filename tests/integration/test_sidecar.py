@@ -42,7 +42,7 @@ def sidecar(tmp_path):
     proc.stop()
 
 
-@pytest.mark.parametrize("failing", ["ArenaCopier", "HbmTier"])
+@pytest.mark.parametrize("failing", ["ArenaCopier", "HbmTier", "Prefetcher", "TierReporter"])
 def test_a_client_whose_start_fails_half_way_detaches(
     sidecar: SidecarProcess, monkeypatch: pytest.MonkeyPatch, failing: str
 ) -> None:

@@ -78,9 +78,7 @@ class StoreClient:
             raise ValueError(f"tier_report_s must be > 0, got {tier_report_s}")
         if hbm_evict_batch_blocks < 1:
             raise ValueError(f"hbm_evict_batch_blocks must be >= 1, got {hbm_evict_batch_blocks}")
-        self.hbm_evict_batch_blocks = hbm_evict_batch_blocks
         self.socket_path = socket_path or load_config().server.socket_path
-        self.call_timeout_s = call_timeout_s
         self.device = torch.device(device)
         self._releases = PendingReleases()  # in flight: every control call waits for them
         self._control = ControlChannel(
@@ -92,22 +90,33 @@ class StoreClient:
         )
         self._stub = self._control.stub
         self._channel = self._control.channel
-        self.client_id = self._control.client_id
-        self.max_batch_keys = self._control.max_batch_keys
-        self.server_version = self._control.server_version
         # A start that fails half way (no room to map the arena, pinning
-        # refused, CUDA out of memory) undoes what it did, in reverse: unpin,
-        # unmap, detach (the sidecar would otherwise keep this client).
+        # refused, CUDA out of memory, a thread that cannot start) undoes
+        # what it did, in reverse: stop threads, unpin, unmap, detach (the
+        # sidecar would otherwise keep this client).
         with contextlib.ExitStack() as undo:
             undo.callback(self._control.close)
-            self.arena = Arena.attach(self._control.arena_path, self._control.arena_bytes)
-            undo.callback(self.arena.close)
-            self.arena_tensor = torch.frombuffer(self.arena.buf, dtype=torch.uint8)
-            undo.callback(delattr, self, "arena_tensor")
-            self._copier = ArenaCopier(self.arena_tensor, self.device)
-            undo.callback(self._copier.close)
-            self.hbm = HbmTier(hbm_bytes, self.device) if hbm_bytes > 0 else None
+            self._start(undo, hbm_bytes, call_timeout_s, tier_report_s, hbm_evict_batch_blocks)
             undo.pop_all()
+
+    def _start(
+        self,
+        undo: contextlib.ExitStack,
+        hbm_bytes: int,
+        call_timeout_s: float,
+        tier_report_s: float,
+        hbm_evict_batch_blocks: int,
+    ) -> None:
+        """Everything after the attach; each step registers its undo."""
+        self.arena = Arena.attach(self._control.arena_path, self._control.arena_bytes)
+        undo.callback(self.arena.close)
+        self.arena_tensor = torch.frombuffer(self.arena.buf, dtype=torch.uint8)
+        undo.callback(delattr, self, "arena_tensor")
+        self._copier = ArenaCopier(self.arena_tensor, self.device)
+        undo.callback(self._copier.close)
+        self.hbm = HbmTier(hbm_bytes, self.device) if hbm_bytes > 0 else None
+        if self.hbm is not None:
+            undo.callback(self.hbm.close)
         self._arena_writer = ArenaWriter(self._control, self.arena, self._copier)
         self._hbm_writer: HbmWriter | None = None
         if self.hbm is not None:
@@ -123,14 +132,18 @@ class StoreClient:
         self._prefetcher = Prefetcher(
             self._control, self._hbm_writer.pull if self._hbm_writer is not None else None
         )
+        undo.callback(self._prefetcher.close)
         self._fast: FastLookupClient | None = None
         with contextlib.suppress(OSError):  # an older sidecar has none: gRPC serves lookups
             self._fast = FastLookupClient(fast_socket_path(self.socket_path), call_timeout_s)
+        if self._fast is not None:
+            undo.callback(self._fast.close)
         self._control.watch()
         # The HBM tier lives here: the sidecar shows it in `tierstore stat`
         # from these reports (every tier_report_s, and once at the start).
         self._stop_reports = threading.Event()
         self._reporter: TierReporter | None = None
+        undo.callback(self._stop_background)
         if self.hbm is not None:
             self._reporter = TierReporter(self.hbm, self._control, self._stop_reports)
             self._reporter.start(tier_report_s)
@@ -147,7 +160,31 @@ class StoreClient:
         )
         self._populator.start()
 
+    def _stop_background(self) -> None:
+        """Stop the tier reporter and the page-table populator (they watch
+        ``_stop_reports``) and wait for the reporter."""
+        self._stop_reports.set()
+        if self._reporter is not None:
+            self._reporter.join(self.call_timeout_s)
+
     # -- plumbing -------------------------------------------------------------------
+
+    @property
+    def client_id(self) -> int:
+        return self._control.client_id
+
+    @property
+    def max_batch_keys(self) -> int:
+        """The most keys the sidecar takes in one call (its hello says)."""
+        return self._control.max_batch_keys
+
+    @property
+    def server_version(self) -> str:
+        return self._control.server_version
+
+    @property
+    def call_timeout_s(self) -> float:
+        return self._control.call_timeout_s
 
     @property
     def connected(self) -> bool:
@@ -491,9 +528,7 @@ class StoreClient:
         self._closed = True
         with contextlib.suppress(Exception):  # a sidecar gone: detaching drops the pins
             self._releases.settle()
-        self._stop_reports.set()
-        if self._reporter is not None:
-            self._reporter.join(self.call_timeout_s)
+        self._stop_background()
         self._populator.join()  # it stops at the next unit; never madvise an unmapped range
         self._prefetcher.close()
         if self._fast is not None:
