@@ -473,3 +473,27 @@ def test_put_reports_a_block_spilled_by_its_own_batch(store_config, layout: KVLa
         held = s.put(layout, batch, data[8:16] + data[7:8])
         assert s.lookup(layout, keys[7:8]).tiers == (TierName.NVME,)
         assert held == [True] * 9
+
+
+@pytest.mark.parametrize("failing", ["Promoter", "NvmeWriter"])
+def test_a_store_whose_start_fails_late_closes_what_it_built(
+    store_config, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """A part built after the tiers fails: the threads already started stop,
+    the arena file goes (the autouse fixture checks /dev/shm) and the NVMe
+    index is closed (a new store opens the same directory)."""
+    import tierstore.store.build as build
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{failing} refused")
+
+    cfg = store_config(write_policy="write_through")  # so that the NVMe writer is built
+    monkeypatch.setattr(build, failing, refuse)
+    with pytest.raises(RuntimeError, match="refused"):
+        TieredStore(cfg)
+    monkeypatch.undo()
+    started = {"tierstore-hasher", "tierstore-demoter", "tierstore-nvme-writer"}
+    assert not started & {t.name for t in threading.enumerate()}
+    with TieredStore(cfg) as s:
+        keys = chain_keys(SMALL_LAYOUT, list(range(8)))
+        assert s.put(SMALL_LAYOUT, keys, blocks_for(keys, SMALL_LAYOUT.block_bytes)) == [True]

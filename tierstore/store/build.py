@@ -7,8 +7,9 @@ anything is allocated), the DRAM arena and tier, the NVMe tier (when
 ``nvme_bytes`` > 0), the event log and the replica ledger wired into the
 tiers, the digests and the hasher, the demoter, the promoter, the write
 policy and the write-through writer; and returns them as one ``StoreParts``.
-If building a tier fails, the tiers built here so far are closed (not the
-ones the caller passed) and the error propagates. Also provides
+If building any part fails, the parts built here so far are closed in
+reverse (threads stopped, the arena file removed; not the tiers the caller
+passed) and the error propagates. Also provides
 ``populate_in_background``, which logs the arena and, unless it is
 populated already, starts its populator thread.
 
@@ -90,8 +91,25 @@ def build_parts(
     """The store's parts (see the module docstring). ``arena`` and ``nvme``:
     tiers built by the caller, used as they are; ``remote``: the remote
     tier's settings (none, or an empty ``remote_url``: no remote tier).
-    ``counters`` gets the promoter's, hasher's, digests' and demoter's figures."""
-    remote_tier, arena, dram, nvme = _build_tiers(config, workers, arena, nvme, remote)
+    ``counters`` gets the promoter's, hasher's, digests' and demoter's figures.
+    If any part fails, what was built here is closed again in reverse (its
+    threads stopped, the arena file removed); the caller's tiers are not."""
+    with contextlib.ExitStack() as undo:
+        parts = _build_parts(config, workers, counters, arena, nvme, remote, undo)
+        undo.pop_all()
+    return parts
+
+
+def _build_parts(
+    config: StoreConfig,
+    workers: Workers,
+    counters: Counters,
+    arena: Arena | None,
+    nvme: NvmeTier | None,
+    remote: RemoteConfig | None,
+    undo: contextlib.ExitStack,
+) -> StoreParts:
+    remote_tier, arena, dram, nvme = _build_tiers(config, workers, arena, nvme, remote, undo)
     # Tier changes in order, for routers (PeerService.WatchBlocks).
     events = BlockEventLog(config.event_log_keys)
     dram.events = events
@@ -114,7 +132,9 @@ def build_parts(
             counters=counters,
             queue_blocks=config.hash_queue_blocks,
         )
+        undo.callback(hasher.close)
     demoter = _build_demoter(config, workers, counters, dram, nvme, remote_tier, replicas, digests)
+    undo.callback(demoter.close)
     promoter = Promoter(
         nvme,
         dram,
@@ -125,12 +145,14 @@ def build_parts(
         read_depth=config.nvme_read_depth,
         wait_s=config.promote_wait_s,
     )
+    undo.callback(promoter.close)
     write_policy = make_write_policy(config.write_policy, config.write_through_min_tokens)
     writer: NvmeWriter | None = None
     if nvme is not None and write_policy.name != "write_back":
         writer = NvmeWriter(
             dram, nvme, write_policy, queue_bytes=config.write_queue_bytes, workers=workers
         )
+        undo.callback(writer.close)
     if remote_tier is not None:
         remote_tier.source = HeldBlockSource(dram, nvme, digests.digest)
     return StoreParts(
@@ -145,51 +167,40 @@ def _build_tiers(
     arena: Arena | None,
     nvme: NvmeTier | None,
     remote: RemoteConfig | None,
+    undo: contextlib.ExitStack,
 ) -> tuple[RemoteTier | None, Arena, DramTier, NvmeTier | None]:
-    """The remote tier, the arena, the DRAM tier and the NVMe tier; on a
-    failure, closes the ones built here so far."""
+    """The remote tier, the arena, the DRAM tier and the NVMe tier; the
+    ones built here get their close on ``undo``."""
     remote_tier: RemoteTier | None = None
     if remote is not None and remote.remote_url:
         remote_tier = RemoteTier(remote, workers)
-    try:
-        built_arena = (
-            arena
-            if arena is not None
-            else Arena.create(
-                config.dram_bytes,
-                config.shm_dir,
-                upfront=config.dram_populate == "upfront",
-                huge_pages=config.dram_huge_pages,
-            )
+        undo.callback(remote_tier.close)
+    if arena is None:
+        arena = Arena.create(
+            config.dram_bytes,
+            config.shm_dir,
+            upfront=config.dram_populate == "upfront",
+            huge_pages=config.dram_huge_pages,
         )
-    except BaseException:
-        if remote_tier is not None:
-            remote_tier.close()
-        raise
-    try:
-        # A tier smaller than one segment is one segment (small test and demo stores).
-        dram = DramTier(
-            built_arena,
-            min(config.dram_segment_bytes, built_arena.size_bytes),
-            make_eviction_policy(config.eviction_policy),
+        undo.callback(arena.close)
+    # A tier smaller than one segment is one segment (small test and demo stores).
+    dram = DramTier(
+        arena,
+        min(config.dram_segment_bytes, arena.size_bytes),
+        make_eviction_policy(config.eviction_policy),
+    )
+    if nvme is None and config.nvme_bytes > 0:
+        nvme = NvmeTier(
+            config.nvme_dir,
+            config.nvme_bytes,
+            segment_bytes=min(config.nvme_segment_bytes, config.nvme_bytes // 4096 * 4096),
+            policy=make_eviction_policy(config.eviction_policy),
+            direct_io=config.nvme_direct_io,
+            index_reserve_bytes=config.nvme_index_reserve_bytes,
+            full_backoff_s=config.nvme_full_backoff_s,
         )
-        if nvme is None and config.nvme_bytes > 0:
-            nvme = NvmeTier(
-                config.nvme_dir,
-                config.nvme_bytes,
-                segment_bytes=min(config.nvme_segment_bytes, config.nvme_bytes // 4096 * 4096),
-                policy=make_eviction_policy(config.eviction_policy),
-                direct_io=config.nvme_direct_io,
-                index_reserve_bytes=config.nvme_index_reserve_bytes,
-                full_backoff_s=config.nvme_full_backoff_s,
-            )
-    except BaseException:
-        if arena is None:
-            built_arena.close()
-        if remote_tier is not None:
-            remote_tier.close()
-        raise
-    return remote_tier, built_arena, dram, nvme
+        undo.callback(nvme.close)
+    return remote_tier, arena, dram, nvme
 
 
 def _build_demoter(
