@@ -352,12 +352,11 @@ def receive_blocks(
                     f"block {block_bytes} (want {size}), payload {payload_bytes}"
                 )
             res = reservations.get(key)
-            keep = res is not None and res.status == ReserveStatus.OK
-            if res is not None and keep:
-                slot = store.reserved_view(res, size)
-            else:
+            if res is not None and res.status == ReserveStatus.OK:
+                slot, keep = store.reserved_view(res, size), True
+            else:  # held already or no room: read past it
                 scratch = scratch if scratch is not None else memoryview(bytearray(size))
-                slot = scratch
+                slot, keep = scratch, False
             if flags & codec.FLAG_ZSTD_BYTESPLIT:
                 payload = memoryview(bytearray(payload_bytes))
                 recv_into_exact(conn, payload, deadline)
@@ -371,7 +370,7 @@ def receive_blocks(
                 recv_into_exact(conn, slot, deadline)
             result.bytes += payload_bytes
             result.last_byte_at = time.monotonic()
-            if keep:  # else held already or no room: not ours to keep
+            if keep:
                 pending.append((key, digest, verifier.submit(slot, digest)))
             settle(wait=False)
     except (OSError, TransferError) as e:
