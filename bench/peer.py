@@ -19,9 +19,10 @@ Prints one JSON object:
 
 - ``raw_tcp_gbps``: the limit: one Python TCP stream on loopback between two
   processes, sender ``sendall`` of a page-aligned buffer in 2 MiB pieces,
-  receiver ``recv_into`` a page-aligned buffer; best of 3 of the delta's size,
-  measured before and after the sidecar runs (the better one: shared machines
-  drift; both are reported as ``raw_tcp_before_gbps`` / ``raw_tcp_after_gbps``);
+  receiver ``recv_into`` a page-aligned buffer (zeroed before each round);
+  best of 3 of the delta's size, measured before and after the sidecar runs
+  (the better one: shared machines drift; both are reported as
+  ``raw_tcp_before_gbps`` / ``raw_tcp_after_gbps``);
 - ``peer_fetch_gbps``: the pull alone as an engine sees it, the median of
   FETCH_ROUNDS fetches of fresh keys (each listed in ``peer_fetch_rounds_gbps``):
   one ``client.acquire(keys, include_peers=True)`` on B, which is B's peer
@@ -57,7 +58,14 @@ Prints one JSON object:
 - ``raw_tcp_verified_gbps``: the one-hash ceiling measured instead of
   computed: the raw TCP stream with the receiver verifying each 2 MiB piece
   on a pool of one thread per core as it arrives (what the peer tier does,
-  without the store), best of 3, before and after like raw TCP.
+  without the store), best of 3, before and after like raw TCP. The sender
+  streams random bytes (no two pieces alike) and sent the blake3 of each
+  piece first (hashed before the stream, as the peer tier's sender hashes at
+  commit); the receiver's buffer is zeroed before each round, so a piece
+  passes only if its received bytes hash to the sender's digest.
+  ``raw_tcp_verified_control_flagged``: the negative control of every run, a
+  4-piece stream whose piece 1 the sender corrupts after hashing it: the
+  pieces the check flagged, always ``[1]`` (the bench fails otherwise).
   ``raw_tcp_verified_vs_cpu_ceiling_one_hash`` says how far the two sharing
   the cores fall below the sum of their separate times (memory bandwidth,
   cache, the hash's wide vectors slowing the copies);
@@ -74,7 +82,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import math
 import mmap
 import os
 import shutil
@@ -86,7 +93,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -101,7 +107,6 @@ import blake3  # noqa: E402
 import torch  # noqa: E402
 from common import (  # noqa: E402
     GB,
-    aligned_buffer,
     best_of,
     emit,
     memcpy_gbps,
@@ -109,6 +114,7 @@ from common import (  # noqa: E402
     spawn_logged,
     wait_for_socket,
 )
+from rawtcp import PIECE_BYTES, raw_stream  # noqa: E402
 
 from tierstore.client import StoreClient  # noqa: E402
 from tierstore.keys import BlockKey, KVLayout, chain_keys  # noqa: E402
@@ -117,8 +123,8 @@ from tierstore.policies import rendezvous_target  # noqa: E402
 # 2 MiB blocks: 2 x 32 layers x 8 KV heads x 128 dim x 16 tokens x bf16.
 LAYOUT = KVLayout("bench-8b", 32, 8, 128, "bfloat16", 16)
 DELTA_MIB, QUICK_DELTA_MIB = 247, 32
-PIECE_BYTES = 2 << 20  # raw TCP: sendall / recv_into pieces
 RAW_ROUNDS = 3
+CONTROL_PIECES = 4  # the verified ceiling's negative control: a stream of 4 pieces
 TOKEN = "bench-peer-token"
 SIDECAR_STOP_S = 20.0
 DEADLINE_S = 60.0
@@ -138,72 +144,24 @@ WARM_BLOCKS = 4  # a first small fetch per receiver: its peer channels are up be
 # -- raw TCP, the limit -------------------------------------------------------------
 
 
-def raw_sender(address: str, nbytes: int, rounds: int) -> None:
-    """Child process: connect, then per round wait for a go byte and stream."""
-    buf = aligned_buffer(nbytes)
-    view = memoryview(buf)
-    host, _, port = address.rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=60) as conn:
-        for _ in range(rounds):
-            if conn.recv(1) != b"g":
-                return
-            for lo in range(0, nbytes, PIECE_BYTES):
-                conn.sendall(view[lo : lo + PIECE_BYTES])
-    view.release()
-    buf.close()
-
-
-def _digest(view: memoryview) -> bytes:
-    return blake3.blake3(view).digest()
-
-
 def raw_tcp_gbps(nbytes: int, rounds: int = RAW_ROUNDS, verify: bool = False) -> float:
-    """Best of ``rounds`` streams of ``nbytes`` from a child process. With
-    ``verify`` the receiver also checks each 2 MiB piece's blake3 as the
-    peer tier does (a pool of one thread per core, each piece submitted as
-    soon as it is in, while the next ones arrive; all checked before the
-    clock stops): the stream and the hash measured together on the same
-    cores, with no store around them."""
-    buf = aligned_buffer(nbytes)
-    view = memoryview(buf)
-    pieces = [view[lo : lo + PIECE_BYTES] for lo in range(0, nbytes, PIECE_BYTES)]
-    want = [blake3.blake3(p).digest() for p in pieces]  # the sender's buffer is the same
-    pool = ThreadPoolExecutor(os.cpu_count() or 1) if verify else None
-    best = math.inf
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        server.settimeout(60)
-        address = f"127.0.0.1:{server.getsockname()[1]}"
-        cmd = [sys.executable, __file__, "--raw-sender", address, str(nbytes), str(rounds)]
-        child = subprocess.Popen(cmd, cwd=ROOT)
-        try:
-            conn, _ = server.accept()
-            with conn:
-                conn.settimeout(60)
-                for _ in range(rounds):
-                    conn.sendall(b"g")
-                    t0 = time.perf_counter()
-                    got, checks = 0, []
-                    while got < nbytes:
-                        n = conn.recv_into(view[got : got + PIECE_BYTES])
-                        if n == 0:
-                            raise RuntimeError("raw sender closed early")
-                        got += n
-                        while pool is not None and len(checks) < got // PIECE_BYTES:
-                            checks.append(pool.submit(_digest, pieces[len(checks)]))
-                    if [c.result() for c in checks] != want[: len(checks)]:
-                        raise RuntimeError("raw TCP: a piece arrived with other bytes")
-                    best = min(best, time.perf_counter() - t0)
-            child.wait(60)
-        finally:
-            if pool is not None:
-                pool.shutdown()
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-    del pieces
-    view.release()
-    buf.close()
-    return nbytes / best / GB
+    """Best of ``rounds`` raw streams of ``nbytes`` (see ``raw_stream``), in
+    GB/s; with ``verify``, raises if any piece arrived with other bytes."""
+    seconds, bad = raw_stream(nbytes, rounds, verify)
+    if bad:
+        raise RuntimeError(f"raw TCP: pieces {bad} arrived with other bytes")
+    return nbytes / seconds / GB
+
+
+def raw_verify_control() -> list[int]:
+    """The verified ceiling's negative control: a short stream whose piece 1
+    the sender corrupts after hashing it. Returns the pieces the receiver
+    flagged; raises unless that is exactly [1] (a check that cannot fail
+    would measure nothing)."""
+    _, bad = raw_stream(CONTROL_PIECES * PIECE_BYTES, 1, verify=True, corrupt_piece=1)
+    if bad != [1]:
+        raise RuntimeError(f"the verified ceiling's check flagged {bad}, not the corrupt piece [1]")
+    return bad
 
 
 # -- sidecars -------------------------------------------------------------------------
@@ -514,17 +472,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_DELTA_MIB} MiB delta")
     parser.add_argument("--profile", metavar="DIR", help="py-spy both sides of more fetches")
-    parser.add_argument("--raw-sender", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.raw_sender:
-        raw_sender(args.raw_sender[0], int(args.raw_sender[1]), int(args.raw_sender[2]))
-        return
     mib = QUICK_DELTA_MIB if args.quick else DELTA_MIB
     num_blocks = -(-(mib << 20) // LAYOUT.block_bytes)
     delta = num_blocks * LAYOUT.block_bytes
     started = time.perf_counter()
     raw_before = raw_tcp_gbps(delta)
     verified_before = raw_tcp_gbps(delta, verify=True)
+    control = raw_verify_control()
     data = kv_like_blocks(num_blocks, seed=0)
     result: dict[str, Any] = {
         "delta_bytes": delta,
@@ -587,6 +542,7 @@ def main(argv: list[str] | None = None) -> None:
             "raw_tcp_verified_gbps": verified,
             "raw_tcp_verified_before_gbps": verified_before,
             "raw_tcp_verified_after_gbps": verified_after,
+            "raw_tcp_verified_control_flagged": control,
             "raw_tcp_verified_vs_cpu_ceiling_one_hash": ratio(verified, ceiling_one),
             "peer_fetch_vs_raw_tcp_verified": ratio(b["peer_fetch_gbps"], verified),
             "sender_hashes": sender_hashes,
