@@ -16,6 +16,45 @@ from tierstore.keys import KVLayout
 SMALL_LAYOUT = KVLayout("test-model", 2, 2, 64, "float16", 8)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--no-skips",
+        action="store_true",
+        help="fail the run when a test skips for any reason but the `cuda` marker's "
+        "(CI: a skip there hides a part that was not installed)",
+    )
+
+
+_unexpected_skips: list[str] = []
+
+
+def _note_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    keywords = getattr(report, "keywords", {})  # a CollectReport (module-level skip) has none
+    if report.skipped and "cuda" not in keywords and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        _unexpected_skips.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _note_skip(report)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _note_skip(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if config.getoption("--no-skips") and _unexpected_skips:
+        terminalreporter.section("skips that fail this run (--no-skips)", red=True)
+        for line in _unexpected_skips:
+            terminalreporter.line(line)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if session.config.getoption("--no-skips") and _unexpected_skips:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch

@@ -8,6 +8,7 @@ import logging
 import mmap
 import os
 import re
+import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -622,16 +623,23 @@ def test_unusable_root(tmp_path, case) -> None:
 
 
 def test_read_only_root_directory(tmp_path) -> None:
+    """Permission bits for a user; a read-only mount for root (CI runs as root,
+    where mode 0500 does not block a write)."""
     root = tmp_path / "ro"
     root.mkdir()
-    root.chmod(0o500)
+    if os.geteuid() == 0:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(root)], check=True)
+    else:
+        root.chmod(0o500)
     try:
-        if os.access(root, os.W_OK):
-            pytest.skip("running as root: permission bits do not block writes")
+        assert not os.access(root, os.W_OK), "the directory is still writable"
         with pytest.raises(StorageError, match="not writable"):
             NvmeTier(root, CAPACITY, segment_bytes=SEGMENT)
     finally:
-        root.chmod(0o700)
+        if os.geteuid() == 0:
+            subprocess.run(["umount", "-l", str(root)], check=False)
+        else:
+            root.chmod(0o700)
 
 
 def test_capacity_smaller_than_segment_and_lock_released(tmp_path) -> None:

@@ -1,0 +1,61 @@
+"""`--no-skips` (what .ci/run passes) fails a run on any skip but the `cuda` marker's.
+
+A skip in CI hides a part that was not installed (vLLM, etcd, iproute2), so the
+gate itself is tested: a run with an ordinary skip must fail, one whose only
+skip is a `cuda` test must pass.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+
+TESTS = """
+import pytest
+
+def test_runs():
+    pass
+
+@pytest.mark.cuda
+def test_on_a_gpu():
+    pass
+"""
+
+
+def _run(tmp_path: Path, extra: str) -> subprocess.CompletedProcess[str]:
+    shutil.copy(CONFTEST, tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: needs a GPU\n")
+    (tmp_path / "test_sample.py").write_text(TESTS + extra)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-skips", "-rs"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cuda_skip_alone_passes(tmp_path: Path) -> None:
+    run = _run(tmp_path, "")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "skips that fail this run" not in run.stdout
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "\ndef test_missing():\n    pytest.skip('etcd not found')\n",
+        "\npytest.importorskip('a_module_that_is_not_installed')\n",
+    ],
+    ids=["in-test", "module-level"],
+)
+def test_other_skip_fails_the_run(tmp_path: Path, extra: str) -> None:
+    run = _run(tmp_path, extra)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "skips that fail this run" in run.stdout
