@@ -27,9 +27,10 @@ Each length also reports ``kv_bytes`` (the stored prefix) and the load rate
 it implies, next to ``memcpy_gbps`` measured in the same run. Cold TTFTs of
 separate engines vary by tens of percent on a shared 2-core machine, more
 than saving costs, so ``save_path_s`` times the connector's own work for a
-cold prompt outside the engine, on the same sidecar and page shapes: the
-scheduler's keys and lookup, the worker's reserve, one copy per block and
-layer out of CPU-layout pages, and the commit (median of 5);
+cold prompt outside the engine, on sidecar B (the engines save to A) with
+the same page shapes: the scheduler's keys and lookup, the worker's reserve,
+one copy per block and layer out of CPU-layout pages, and the commit
+(median of 5);
 ``save_path_share`` is its share of ``cold_ttft_s``.
 """
 
