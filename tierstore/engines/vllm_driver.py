@@ -122,6 +122,11 @@ class VllmEngine:
             args.append("--enforce-eager")
         child_env = dict(os.environ, **(env or {}))
         child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM-CPU reserves one more core for the scheduler when kv_transfer_config is set
+        # (vllm/utils/ompmultiprocessing.py): engines with and without a connector would
+        # run on different OpenMP thread counts, which changes both the prefill time and,
+        # through another reduction order, the greedy ids. One reservation for every engine.
+        child_env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
         self._log_tail: deque[str] = deque(maxlen=60)
         self._log_file: IO[str] | None = open(log_path, "a") if log_path else None
         self.proc = subprocess.Popen(
