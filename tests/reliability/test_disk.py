@@ -19,9 +19,14 @@ On a full disk the NVMe tier caps itself at what its data file holds and
 evicts old blocks for new ones (nvme.py ``_full_at_bytes``); its LMDB index
 lives on the same full filesystem but keeps room reserved past its end
 (``nvme_index_reserve_bytes``), so index commits, and with them spills, keep
-succeeding while the disk stays full. When room is freed, a write after the
-backoff (``nvme_full_backoff_s``) sees it and lifts the cap: the tier grows
-again without a restart (``nvme_full_resumed``).
+succeeding while the disk stays full. When room is freed, the first write
+once the tier's look at the free space is due sees it and lifts the cap: the
+tier grows again without a restart (``nvme_full_resumed``). The look is due
+``nvme_full_backoff_s`` after the cap or the last look, doubling to at most
+16x, and another ENOSPC does not postpone it (nvme.py ``_recheck_full``), so
+the test stores one chain at a time (each spills through the 1 MiB arena)
+until the counter says the cap lifted, within that bound plus slack, instead
+of sleeping and hoping the look came.
 
 Mounting needs root and mount(8); those tests skip without them.
 """
@@ -34,7 +39,7 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +51,9 @@ from tierstore.tiers import TierName
 from .harness import LAYOUT, REPO, Sidecar, arenas_of, blocks_of, chain, count_wrong
 
 CHAIN_BLOCKS = 32
+FULL_BACKOFF_S = 0.2  # nvme_full_backoff_s of the full-disk sidecar
+RESUME_BOUND_S = 16 * FULL_BACKOFF_S  # the longest wait between looks (nvme.py)
+RESUME_SLACK_S = 10.0  # a loaded machine: spills of the chains stored meanwhile
 
 needs_mount = pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("mount") and shutil.which("umount")),
@@ -107,12 +115,33 @@ def log_line(sidecar: Sidecar, pattern: str) -> str:
     raise AssertionError(f"no log line matches {pattern!r}:\n{sidecar.log()[-3000:]}")
 
 
+def store_until_resumed(
+    sidecar: Sidecar, client: StoreClient, first_seed: int
+) -> tuple[float, int]:
+    """Store one chain at a time until ``nvme_full_resumed`` counts the lifted
+    cap; returns (seconds it took, chains stored). Fails past the bound."""
+    t0 = time.monotonic()
+    deadline = t0 + RESUME_BOUND_S + RESUME_SLACK_S
+    for n in range(1, 10_000):
+        store_chains(client, range(first_seed + n - 1, first_seed + n))
+        c = sidecar.counters()
+        if c["nvme_full_resumed"] >= 1:
+            return time.monotonic() - t0, n
+        assert time.monotonic() < deadline, (
+            f"the cap did not lift within {RESUME_BOUND_S + RESUME_SLACK_S} s of the room "
+            f"being freed ({n} chains stored): {c}"
+        )
+        time.sleep(FULL_BACKOFF_S / 4)  # a few stores per backoff: the look needs one
+    raise AssertionError("unreachable: the deadline ends the loop")
+
+
 @needs_mount
 def test_full_disk(tmp_path: Path, small_disk: Path) -> None:
     ballast = small_disk / "ballast"  # the operator's other files on that disk
     ballast.write_bytes(b"\1" * (3 << 20))
     sidecar = Sidecar(
-        tmp_path, "--set", "nvme_index_reserve_bytes=1MiB", "--set", "nvme_full_backoff_s=0.2",
+        tmp_path, "--set", "nvme_index_reserve_bytes=1MiB",
+        "--set", f"nvme_full_backoff_s={FULL_BACKOFF_S}",
         dram="1MiB", nvme="64MiB", nvme_dir=small_disk / "nvme",
     )  # fmt: skip
     sidecar.start()
@@ -144,19 +173,22 @@ def test_full_disk(tmp_path: Path, small_disk: Path) -> None:
             assert "NVMe index commit" not in sidecar.log()
             capped = stuck[1].used_bytes
 
-            # Room freed (the ballast goes): after the backoff a spill sees it,
-            # the cap is lifted, and the tier grows past what it held.
+            # Room freed (the ballast goes): the first spill once the look is
+            # due sees it and lifts the cap; then the tier grows past what it held.
+            assert stuck[0]["nvme_full_resumed"] == 0, stuck[0]
             ballast.unlink()
-            threading.Event().wait(0.5)  # past nvme_full_backoff_s (0.2 s, doubled once)
-            store_chains(client, range(200, 220))
+            resume_s, resume_chains = store_until_resumed(sidecar, client, 200)
+            assert resume_s <= RESUME_BOUND_S + RESUME_SLACK_S, resume_s
+            grown = range(200 + resume_chains, 220 + resume_chains)
+            store_chains(client, grown)
             c, nvme = sidecar.counters(), sidecar.tier("nvme")
-            assert c["nvme_full_resumed"] >= 1 and c["nvme_full_rechecks"] >= 1, c
+            assert c["nvme_full_rechecks"] > stuck[0]["nvme_full_rechecks"], (stuck[0], c)
             assert nvme.used_bytes > capped, (capped, nvme)
             assert c["spilled_blocks"] > stuck[0]["spilled_blocks"], (stuck[0], c)
             assert sidecar.alive()
             check_truthful(client, keys[:40])
             # Still a working cache: the newest chain is in DRAM and exact.
-            last = chain(219, CHAIN_BLOCKS)
+            last = chain(grown[-1], CHAIN_BLOCKS)
             res = client.load(LAYOUT, last)
             assert (
                 res.num_blocks == CHAIN_BLOCKS and count_wrong(last, res.blocks, CHAIN_BLOCKS) == 0
@@ -171,14 +203,16 @@ def test_full_disk(tmp_path: Path, small_disk: Path) -> None:
         sidecar.stop()
         sidecar.start()
         with StoreClient(str(sidecar.socket)) as client:
-            check_truthful(client, keys[:40] + chain(205, CHAIN_BLOCKS))
+            check_truthful(client, keys[:40] + chain(grown[5], CHAIN_BLOCKS))
             assert sidecar.tier("nvme").verify_failures == 0
         print(
             f"\ndisk full (filled, still full, freed): spill_failures "
             f"{'/'.join(str(x[0]['spill_failures']) for x in (full, stuck, (c, nvme)))}, "
             f"spilled {'/'.join(str(x[0]['spilled_blocks']) for x in (full, stuck, (c, nvme)))}"
             f", nvme used {full[1].used_bytes >> 10}/{capped >> 10}/{nvme.used_bytes >> 10} KiB"
-            f", rechecks {c['nvme_full_rechecks']}, resumed {c['nvme_full_resumed']}; logged:\n"
+            f", rechecks {c['nvme_full_rechecks']}, resumed {c['nvme_full_resumed']} "
+            f"{resume_s:.2f} s after the room was freed ({resume_chains} chains stored); "
+            f"logged:\n"
             f"  {write_line}\n  {resume_line}"
         )
     finally:

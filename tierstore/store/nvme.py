@@ -21,9 +21,14 @@ truncated file) is dropped and reported as a miss, never served.
 A full disk: a write that hits ENOSPC caps the tier at what its data file
 holds (new blocks evict old ones, whose slots are on disk), and the index
 keeps ``index_reserve_bytes`` allocated for its commits (see
-``nvme_index``). Every ``full_backoff_s`` (doubling to 16x while the disk
-stays full) a write checks the filesystem's free space again and lifts the
-cap when there is room, so spills grow the tier again without a restart.
+``nvme_index``). While capped, the first write that comes ``full_backoff_s``
+after the cap (then after each look, doubling to 16x while the disk stays
+full) checks the filesystem's free space and lifts the cap when there is
+room, so spills grow the tier again without a restart. The schedule counts
+from the cap and from the looks only: another ENOSPC while capped lowers the
+cap but does not postpone the look (writes that kept failing would otherwise
+keep the tier capped for good). So once room is freed, the cap lifts at the
+first write at most ``16 * full_backoff_s`` later.
 
 Last-access times are kept in memory and persisted lazily (in the next write
 transaction and at close) so that reads never open an LMDB transaction; after
@@ -134,7 +139,7 @@ class NvmeTier:
         self._full_at_bytes: int | None = None  # set when the filesystem filled up first
         self._full_backoff_s = full_backoff_s
         self._full_wait_s = full_backoff_s  # current backoff (doubles while still full)
-        self._full_check_at = 0.0  # monotonic time of the next re-check
+        self._full_check_at = 0.0  # monotonic time of the next look, while capped
         self.counters = Counters(NVME_COUNTERS)
         self._retired: set[int] = set()  # slots dropped while pinned; freed at unpin
         self._dirty: set[BlockKey] = set()  # last access changed since persisted
@@ -224,8 +229,10 @@ class NvmeTier:
         return batch.outcome()
 
     def _recheck_full(self) -> None:
-        """While capped by a full disk: after the backoff, lift the cap if the
-        filesystem has room again (the index reserve plus a segment). Holds _write_lock."""
+        """While capped by a full disk: once the look is due (see the module
+        docstring), lift the cap if the filesystem has room again (the index
+        reserve plus a segment), else look again after twice the wait.
+        Holds _write_lock."""
         now = time.monotonic()
         if now < self._full_check_at:
             return
@@ -325,8 +332,10 @@ class NvmeTier:
             ok = {id(p) for p in written}
             lost = sum(self._alloc.slot_bytes(p.data.nbytes) for p in planned if id(p) not in ok)
             with self._lock:
+                newly_capped = self._full_at_bytes is None
                 self._full_at_bytes = self._alloc.used_bytes - lost
-            self._full_check_at = time.monotonic() + self._full_wait_s
+            if newly_capped:  # already capped: the look stays when it was due
+                self._full_check_at = time.monotonic() + self._full_wait_s
             self.counters.add("nvme_full_events")
             self.counters.set("nvme_disk_full", 1)
         if written and self.sync:
