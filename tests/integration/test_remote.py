@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -162,8 +163,16 @@ def test_store_down_slow_or_throttling_gives_misses_and_uploads_resume(
     try:
         a = sidecars("a", proxy.endpoint, dram="4MiB")
         keys, data = blocks_of(24, 3)
-        other, other_data = blocks_of(8, 4)
+        other, other_data = blocks_of(8, 4)  # read mid-fault: in the bucket, not on A
+        w = sidecars("w", s3_env.endpoint)
+        with StoreClient(str(w.socket)) as cw:
+            store(cw, other, other_data)
+            cw.end_turn("other", L, other, len(other) * L.block_tokens)
+            assert wait_uploads(cw)["remote_uploads"] == len(other)
         with StoreClient(str(a.socket)) as c:
+            # A sees them in the bucket through the proxy, so a miss below is the fault's.
+            found = c.lookup(L, other, include_peers=True)
+            assert found.num_hits == len(other) and set(found.tiers) == {REMOTE}
             proxy.set_mode("blackhole")  # mid-upload: the store stops answering
             store(c, keys, data)
             c.end_turn("s", L, keys, len(keys) * L.block_tokens)
@@ -179,11 +188,12 @@ def test_store_down_slow_or_throttling_gives_misses_and_uploads_resume(
             stat = wait_uploads(c, 60)
             assert stat["remote_uploads"] == 24 and stat["remote_upload_retries"] > 0
             assert stat["remote_request_errors"] > 0
+            res = c.load(L, other, include_peers=True, deadline_s=30)  # the store is back
+            assert res.num_blocks == len(other) and torch.equal(res.blocks, other_data)
         b = sidecars("b", s3_env.endpoint)
         with StoreClient(str(b.socket)) as cb:
             res = cb.load(L, keys, include_peers=True, deadline_s=30)
             assert res.num_blocks == 24 and torch.equal(res.blocks, data)
-        del other_data
     finally:
         proxy.close()
 
@@ -231,21 +241,28 @@ def test_gc_by_two_hosts_never_serves_a_wrong_block(
     ]
     chains = [blocks_of(30, 10 + i) for i in range(4)]
     wrong: list[str] = []
+    compared = [0, 0]  # blocks read back from the bucket and checked, per host
+    errors: list[str] = []  # a host thread's exception fails the test (not just a warning)
     stop = threading.Event()
 
     def host(i: int) -> None:
         store, rng = hosts[i], np.random.default_rng(i)
-        while not stop.is_set():
-            keys, data = chains[int(rng.integers(0, len(chains)))]
-            rows = [data[j].numpy().tobytes() for j in range(len(keys))]
-            store.put(L, keys, rows)
-            store.demote(keys)  # to the bucket (nvme off): DRAM holds nothing of it now
-            store.flush_remote(10)
-            n = store.pull_remote(L, keys, 5.0)
-            for j, got in enumerate(store.get(L, keys[:n])):
-                if got != rows[j]:
-                    wrong.append(f"host {i} block {j}")
-            store.drop(keys)
+        try:
+            while not stop.is_set():
+                keys, data = chains[int(rng.integers(0, len(chains)))]
+                rows = [data[j].numpy().tobytes() for j in range(len(keys))]
+                store.put(L, keys, rows)
+                store.demote(keys)  # to the bucket (nvme off): DRAM holds nothing of it now
+                store.flush_remote(10)
+                n = store.pull_remote(L, keys, 5.0)
+                got = store.get(L, keys[:n])
+                for j, block in enumerate(got):
+                    if block != rows[j]:
+                        wrong.append(f"host {i} block {j}")
+                compared[i] += len(got)
+                store.drop(keys)
+        except Exception:
+            errors.append(f"host {i}: {traceback.format_exc()}")
 
     threads = [threading.Thread(target=host, args=(i,)) for i in range(2)]
     for t in threads:
@@ -255,9 +272,17 @@ def test_gc_by_two_hosts_never_serves_a_wrong_block(
     for t in threads:
         t.join(30)
     try:
+        assert not any(t.is_alive() for t in threads)
+        assert not errors, "\n".join(errors)
         assert not wrong
-        deletions = sum(h.stat()["store"]["remote_gc_deletions"] for h in hosts)
-        assert deletions > 0
+        stats = [h.stat() for h in hosts]
+        # Each host read blocks back from the bucket (not from its DRAM) and
+        # compared them, and each host's GC deleted objects: both raced.
+        reads = [s["store"]["remote_reads"] for s in stats]
+        assert all(n > 0 for n in compared), compared
+        assert all(n > 0 for n in reads), reads
+        deletions = [s["store"]["remote_gc_deletions"] for s in stats]
+        assert all(n > 0 for n in deletions), deletions
         assert all(h.dram.pin_count(0) == 0 for h in hosts)
     finally:
         for h in hosts:
