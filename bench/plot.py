@@ -141,6 +141,10 @@ SCALE_OPS = {
     "release_us": "release a transfer's pins",
     "promote_us": "promotion from NVMe",
     "index_probe_us": "floor: one probe of a plain dict of n keys",
+    "cold_lookup_us": "lookup, old prefix (caches flushed)",
+    "cold_acquire_us": "acquire, old prefix",
+    "cold_release_us": "release, old prefix",
+    "cold_index_probe_us": "floor, old prefix",
 }
 
 
@@ -150,8 +154,11 @@ def plot_scale(data: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(8.4, 3.8), dpi=120)
     for op, label in SCALE_OPS.items():
         if op in data["sizes"][sizes[0]]:
-            style = "--" if op == "index_probe_us" else "-"
-            ax.plot(held, [data["sizes"][n][op] for n in sizes], style, marker="o", label=label)
+            floor, cold = op.endswith("index_probe_us"), op.startswith("cold_")
+            style = (":" if floor else "-.") if cold else ("--" if floor else "-")
+            base = list(SCALE_OPS).index(op.removeprefix("cold_"))  # one color per operation
+            ys = [data["sizes"][n][op] for n in sizes]
+            ax.plot(held, ys, style, marker="o", color=f"C{base}", label=label)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("blocks held")

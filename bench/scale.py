@@ -1,6 +1,6 @@
 """Cost per block of the store's operations against the number of blocks held.
 
-    python bench/scale.py --json [--sizes 10000,100000,1000000] [--ops 8192]
+    python bench/scale.py --json [--sizes 10000,100000,1000000] [--ops 8192] [--no-promote]
 
 In-process ``TieredStore``s with 4 KiB blocks (small, so a million fit in
 memory), one per size n, all built first and then measured in interleaved
@@ -22,6 +22,21 @@ per block, the best of its rounds:
 - ``index_probe_us``: the floor, one probe per key of a plain dict of the
   n keys held (the store's own key objects): the cache misses any hash
   index of n keys pays, measured in the same round.
+
+Those keys are the ``op_blocks`` most recently put: hot in the CPU caches.
+The ``cold_*`` figures are a session's old prefix resumed instead:
+``cold_lookup_us``, ``cold_acquire_us``, ``cold_release_us`` and the floor
+``cold_index_probe_us`` (the same dict probe, same loop) on ``op_blocks``
+keys put one after another about n/2 puts earlier (the middle of the DRAM
+tier's entries; other keys every round), each timed right after a cache
+flush that reads and writes a scratch buffer of ``cold_flush_bytes`` (4x
+the last-level cache, at least 64 MiB: the rest of a host's work between
+two turns of a session). The keys asked for are new objects made after the
+flush (a request's keys are fresh; the store's tables are what is cold),
+as the hot figures' keys are new objects too. ``cold_in_cold_index_probes`` is each cold
+operation at the largest size in cold probes of the floor,
+``cold_vs_hot`` the cold figure over the hot one, ``cold_growth`` the cold
+figure's growth from the smallest size to the largest.
 
 ``growth`` is each figure at the largest size over the smallest (target:
 <= 1.5 for every per-block operation). ``index_probe_growth`` is the
@@ -48,6 +63,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 from common import emit  # noqa: E402
 
 from tierstore.config import StoreConfig  # noqa: E402
@@ -62,6 +78,8 @@ FILL_BATCH = 4096
 PROMOTE_DRAM_BLOCKS = 8192
 HASH_WAIT_S = 600.0
 OWNER = 1 << 40
+FLUSH_LLC_MULTIPLE = 4  # the cache flush touches this many times the last-level cache
+FLUSH_MIN_BYTES = 64 << 20
 PER_BLOCK = ("put_evict_us", "lookup_us", "acquire_us", "release_us", "promote_us")
 
 
@@ -86,6 +104,7 @@ class Rig:
     next_key: int
     promote_cursor: int = 0
     promote_short: int = 0  # promotion batches that came back short (misses)
+    cold_seen: set[int] = field(default_factory=set)  # ids of the old prefixes resumed so far
     best: dict[str, float] = field(default_factory=dict)
 
     def keep(self, name: str, seconds: float, blocks: int) -> None:
@@ -133,7 +152,88 @@ def build(n: int, shm: str, nvme_root: str | None, data: memoryview) -> Rig:
     return Rig(n, dram, nvme, next_key=n)
 
 
-def one_round(rig: Rig, ops: int, m: int, data: memoryview) -> None:
+class CacheFlush:
+    """Evicts the CPU caches: reads and writes every line of a scratch buffer
+    several times the size of the last-level cache (what the other work of a
+    serving host does to a store's tables between two turns of a session)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.scratch = np.zeros(nbytes, dtype=np.uint8)
+
+    def __call__(self) -> None:
+        self.scratch += 1
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (0 if the system does not say)."""
+    sizes = [0]
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip().upper()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes)
+
+
+def timed_cold(
+    flush: CacheFlush, ids: list[int], fn: Callable[[list[list[BlockKey]]], Any]
+) -> float:
+    """``timed`` of ``fn(batches)`` with the caches flushed after the
+    collection; the batches of new key objects for ``ids`` are made after the
+    flush, before the clock: the asking side's keys are fresh, as a request's
+    keys are, and the store's tables are cold."""
+    gc.collect()
+    flush()
+    batches = [[key(i) for i in ids[lo : lo + BATCH]] for lo in range(0, len(ids), BATCH)]
+    t0 = time.perf_counter()
+    fn(batches)
+    return time.perf_counter() - t0
+
+
+def old_prefix(store: TieredStore, m: int) -> list[int]:
+    """The ids of m held keys put one after another, about n/2 puts ago: the
+    middle of the DRAM tier's entries, which are in put order. A new round's
+    puts move the middle on by their number, so each round resumes other keys."""
+    held = store.dram.held_keys()
+    mid = len(held) // 2
+    return [int.from_bytes(k, "little") for k in held[mid : mid + m]]
+
+
+def cold_round(rig: Rig, m: int, flush: CacheFlush) -> None:
+    """A session's old prefix resumed: lookup, acquire and release of m keys
+    put long ago, each started with the CPU caches flushed, next to the
+    floor (one probe per key of a plain dict of the n held keys) flushed the
+    same way. Each records how many keys it found: all m, or the bench fails."""
+    store = rig.dram
+    ids = old_prefix(store, m)
+    assert not rig.cold_seen.intersection(ids), "an old prefix resumed twice"
+    rig.cold_seen.update(ids)
+    index = dict.fromkeys(store.dram.held_keys(), True)
+    found: dict[str, int] = {}
+    rows: list[list[bool]] = []
+
+    def lookups(batches: list[list[BlockKey]]) -> None:
+        found["lookup"] = sum(store.lookup(LAYOUT, b).num_hits for b in batches)
+
+    def probes(batches: list[list[BlockKey]]) -> None:  # the hot floor's loop
+        rows.extend([index.get(k, False) for k in b] for b in batches)
+
+    def acquires(batches: list[list[BlockKey]]) -> None:
+        found["acquire"] = sum(len(store.acquire(LAYOUT, b, OWNER)) for b in batches)
+
+    def release(_: list[list[BlockKey]]) -> None:
+        found["release"] = store.release_owner(OWNER)[1]
+
+    for name, fn in (("lookup", lookups), ("index_probe", probes)):
+        rig.keep(f"cold_{name}_us", timed_cold(flush, ids, fn), m)
+    index.clear()
+    found["probe"] = sum(map(sum, rows))
+    for name, fn in (("acquire", acquires), ("release", release)):
+        rig.keep(f"cold_{name}_us", timed_cold(flush, ids, fn), m)
+    assert set(found.values()) == {m}, (found, m)
+
+
+def one_round(rig: Rig, ops: int, m: int, data: memoryview, flush: CacheFlush) -> None:
     store = rig.dram
 
     def put_evict() -> None:
@@ -175,6 +275,7 @@ def one_round(rig: Rig, ops: int, m: int, data: memoryview) -> None:
     dropped: list[int] = []
     rig.keep("release_us", timed(lambda: dropped.append(store.release_owner(OWNER)[1])), m)
     assert got == dropped == [m], (got, dropped, m)
+    cold_round(rig, m, flush)
     rig.keep("stat_us", timed(store.stat), 1)
     if rig.nvme is not None:
         promoting = rig.nvme
@@ -198,7 +299,17 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=8192, help="blocks per phase and round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-promote", action="store_true", help="skip the NVMe phase")
+    parser.add_argument(
+        "--flush-bytes",
+        type=int,
+        default=0,
+        help="scratch bytes that evict the caches before each cold figure (default: "
+        f"{FLUSH_LLC_MULTIPLE}x the last-level cache, at least {FLUSH_MIN_BYTES >> 20} MiB)",
+    )
     args = parser.parse_args()
+    flush = CacheFlush(
+        args.flush_bytes or max(FLUSH_LLC_MULTIPLE * last_level_cache_bytes(), FLUSH_MIN_BYTES)
+    )
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     m = min(args.ops, min(sizes) // 4) // BATCH * BATCH
     data = memoryview(bytearray(b"\x5a" * (FILL_BATCH * BB)))
@@ -215,7 +326,7 @@ def main() -> None:
                 print(f"built n={n} in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
             for r in range(args.rounds):
                 for rig in rigs:
-                    one_round(rig, args.ops, m, data)
+                    one_round(rig, args.ops, m, data, flush)
                 print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
             rows: dict[str, dict[str, Any]] = {}
             for rig in rigs:
@@ -240,6 +351,14 @@ def main() -> None:
         for k in ("lookup_us", "acquire_us", "release_us")
         if probe_added > 0
     }
+    # The old prefix resumed at the largest size, in units of the floor's
+    # own cold probe, and against the same operations on hot keys.
+    cold_ops = ("lookup_us", "acquire_us", "release_us", "index_probe_us")
+    cold_in_probes = {
+        k: round(last[f"cold_{k}"] / last["cold_index_probe_us"], 2) for k in cold_ops[:3]
+    }
+    cold_vs_hot = {k: round(last[f"cold_{k}"] / last[k], 2) for k in cold_ops}
+    cold_growth = {k: round(last[f"cold_{k}"] / first[f"cold_{k}"], 3) for k in cold_ops}
     emit(
         {
             "block_bytes": BB,
@@ -252,6 +371,11 @@ def main() -> None:
             "target_growth_max": 1.5,
             "index_probe_growth": round(last["index_probe_us"] / first["index_probe_us"], 3),
             "added_cost_in_index_probes": added_in_probes,
+            "cold_flush_bytes": flush.nbytes,
+            "cold_at_largest_us": {k: last[f"cold_{k}"] for k in cold_ops},
+            "cold_in_cold_index_probes": cold_in_probes,
+            "cold_vs_hot": cold_vs_hot,
+            "cold_growth": cold_growth,
         },
         args.json,
     )
