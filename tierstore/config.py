@@ -397,6 +397,7 @@ class RemoteConfig:
     remote_manifest_every_blocks: int = 64  # a write-through chain's manifest spacing
     remote_lookup_timeout_s: float = 1.0  # deadline of a remote prefix lookup
     remote_fetch_timeout_s: float = 30.0  # deadline of pulling a prefix into DRAM
+    remote_durable_timeout_s: float = 30.0  # a durable EndTurn waits this long for the bucket
     remote_request_timeout_s: float = 10.0  # one request, its retries included
     remote_connect_timeout_s: float = 2.0  # TCP/TLS connect of one request
     remote_max_retries: int = 3  # retries of one request (5xx, SlowDown, dropped connections)
@@ -446,6 +447,7 @@ class RemoteConfig:
             "remote_gc_interval_s",
             "remote_lookup_timeout_s",
             "remote_fetch_timeout_s",
+            "remote_durable_timeout_s",
             "remote_request_timeout_s",
             "remote_connect_timeout_s",
             "remote_retry_backoff_s",

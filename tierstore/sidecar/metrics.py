@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from tierstore.errors import TierstoreError
+from tierstore.store.remote import GAUGES as REMOTE_GAUGES
 from tierstore.store.tiered import STORE_GAUGES
 
 if TYPE_CHECKING:
@@ -35,10 +36,7 @@ TIER_COUNTERS = (
 GAUGE_COUNTERS = {
     "peer_watchers", "peer_tls", "replica_bytes", "worker_failures",
     "membership_members", "membership_etcd_up", "membership_registered",
-    # remote tier
-    "remote_uploads_queued", "remote_upload_bytes_queued", "remote_objects", "remote_used_bytes",
-    "remote_request_us_max", "remote_unreachable_at_start",
-} | STORE_GAUGES  # fmt: skip
+} | STORE_GAUGES | REMOTE_GAUGES  # fmt: skip
 
 
 class SidecarCollector(Collector):

@@ -11,7 +11,10 @@ Provides ``RemoteTier``:
   (never blocks: when ``remote_upload_queue_bytes`` are queued it is
   skipped and counted); ``end_turn``: a long turn's chain is written
   through by the ``tierstore-remote-writer`` thread, then its manifests;
-  ``flush``: wait for both (all three: ``tierstore.store.remote_upload``);
+  ``end_turn_durable``: any turn written through, waited for until the
+  bucket acknowledged every block (bounded); ``flush``: wait for all (all
+  four: ``tierstore.store.remote_upload``; the turns not yet durable are
+  counted by ``tierstore.store.remote_turns``);
 - ``gc_once`` and the ``tierstore-remote-gc`` thread: keep the bucket under
   ``remote_bytes``, least recently used first (``tierstore.store.remote_gc``,
   ``tierstore.policies``);
@@ -59,13 +62,16 @@ from tierstore.store import remote_format as fmt
 from tierstore.store.remote_cache import Answers, LastUse
 from tierstore.store.remote_client import REQUEST_COUNTERS, ClientClosed, RemoteClient
 from tierstore.store.remote_gc import GC_COUNTERS, RemoteGC
+from tierstore.store.remote_turns import TURN_GAUGES, Durability
 from tierstore.store.remote_upload import UPLOAD_COUNTERS, BlockSource, RemoteUploader
 from tierstore.tiers import TierName, TierStats
 from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COUNTERS", "BlockSource", "BoundRemoteTier", "RemoteTier"]
+__all__ = [
+    "COUNTERS", "GAUGES", "BlockSource", "BoundRemoteTier", "Durability", "RemoteTier",
+]  # fmt: skip
 
 COUNTERS = (
     *REQUEST_COUNTERS,
@@ -77,6 +83,14 @@ COUNTERS = (
     "remote_pulls", "remote_pulled_blocks", "remote_pull_timeouts",
     *GC_COUNTERS,
     "remote_unreachable_at_start",
+)  # fmt: skip
+# The counters that go down too (metrics export them as gauges).
+GAUGES = frozenset(
+    {
+        "remote_uploads_queued", "remote_upload_bytes_queued", "remote_objects",
+        "remote_used_bytes", "remote_request_us_max", "remote_unreachable_at_start",
+        *TURN_GAUGES,
+    }
 )  # fmt: skip
 
 
@@ -340,7 +354,17 @@ class RemoteTier:
         Never blocks; False if not (policy, queue full, closed)."""
         if not keys or not self.placement.on_end_turn(num_tokens):
             return False
-        return self._uploads.queue_turn(layout, keys)
+        return self._uploads.queue_turn(layout, keys) is not None
+
+    def end_turn_durable(
+        self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float
+    ) -> Durability:
+        """Write a finished turn's chain through whatever the placement says
+        (the engine asked for it) and wait up to ``timeout_s`` until the
+        bucket acknowledged every block; past the deadline the write goes on."""
+        if not keys:
+            return Durability(0, 0, 0.0)
+        return self._uploads.write_durable(layout, keys, timeout_s)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued upload and write-through finished; False at the deadline."""

@@ -7,7 +7,9 @@ Provides ``RemoteUploader``, the write side of ``tierstore.store.remote``:
 - ``queue_turn``: a long turn's chain is written through by the
   ``tierstore-remote-writer`` thread (the blocks the bucket lacks, read
   from the store through ``source``), then a manifest at every checkpoint
-  the uploaded prefix reaches;
+  the uploaded prefix reaches; it returns the turn's ``TurnJob``, which a
+  durable EndTurn waits on (``write_durable``) and which ``TurnLedger``
+  (``tierstore.store.remote_turns``) counts until the bucket has the turn;
 - ``flush``: wait for both; ``stop`` / ``join``: refuse new work and end
   the writer.
 
@@ -39,6 +41,7 @@ from tierstore.keys import BlockKey, KVLayout
 from tierstore.store import remote_format as fmt
 from tierstore.store.remote_cache import Answers, LastUse
 from tierstore.store.remote_client import ClientClosed, RemoteClient
+from tierstore.store.remote_turns import TURN_COUNTERS, Durability, TurnJob, TurnLedger
 from tierstore.workers import Workers
 
 UPLOAD_COUNTERS = (
@@ -47,6 +50,7 @@ UPLOAD_COUNTERS = (
     "remote_uploads_queued", "remote_upload_bytes_queued",  # gauges
     "remote_write_through_turns", "remote_write_through_dropped", "remote_write_through_failed",
     "remote_manifests_written",
+    *TURN_COUNTERS,
 )  # fmt: skip
 
 # Fills ``out`` with a held block's bytes (DRAM or NVMe, verified); returns
@@ -81,9 +85,8 @@ class RemoteUploader:
         self._pending = 0  # uploads queued or running, plus write-through jobs
         self._closed = False
         self._sem: asyncio.Semaphore | None = None  # made and used on the loop thread only
-        self._jobs: queue.Queue[tuple[KVLayout, list[BlockKey]] | None] = queue.Queue(
-            cfg.remote_write_through_queue_turns
-        )
+        self._jobs: queue.Queue[TurnJob | None] = queue.Queue(cfg.remote_write_through_queue_turns)
+        self.turns = TurnLedger(counters)
         self._writer = workers.start("tierstore-remote-writer", self._write_loop)
 
     @property
@@ -191,22 +194,42 @@ class RemoteUploader:
 
     # -- write-through ----------------------------------------------------------------
 
-    def queue_turn(self, layout: KVLayout, keys: Sequence[BlockKey]) -> bool:
+    def queue_turn(self, layout: KVLayout, keys: Sequence[BlockKey]) -> TurnJob | None:
         """Queue a write-through of a finished turn's chain (the placement
-        already said yes). Never blocks; False if the job queue is full or
-        the tier closed. Under the lock with ``stop``: a turn accepted is
-        either written or counted as dropped, never left pending."""
+        already said yes). Never blocks; returns the job, or None if the job
+        queue is full or the tier closed. Under the lock with ``stop``: a turn
+        accepted is either written or counted as dropped, never left pending."""
+        job = self._queue(layout, keys)
+        return None if isinstance(job, str) else job
+
+    def write_durable(
+        self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float
+    ) -> Durability:
+        """Queue a write-through of the turn, then wait up to ``timeout_s``
+        until the bucket acknowledged every block of it."""
+        job = self._queue(layout, keys)
+        if isinstance(job, str):
+            return self.turns.wait(None, len(keys), timeout_s, job)
+        return self.turns.wait(job, len(keys), timeout_s, "")
+
+    def _queue(self, layout: KVLayout, keys: Sequence[BlockKey]) -> TurnJob | str:
+        """The job queued, or why not."""
+        job = TurnJob(layout, list(keys))
         with self._cond:
             if self._closed:
-                return False
+                return "the remote tier is closing"
             try:
-                self._jobs.put_nowait((layout, list(keys)))
+                self._jobs.put_nowait(job)
             except queue.Full:
                 self.counters.add("remote_write_through_dropped")
-                return False
+                return (
+                    f"the write-through queue is full "
+                    f"({self.cfg.remote_write_through_queue_turns} turns)"
+                )
+            self.turns.accept(job)
             self._pending += 1  # before the writer's _upload_done: it needs the lock
             self._gauges()
-        return True
+        return job
 
     def _write_loop(self) -> None:
         while True:
@@ -216,22 +239,33 @@ class RemoteUploader:
                 # it): this and the queued turns stay local.
                 self._drop_queued(job)
                 return
+            durable, reason = 0, "the write-through of the turn failed"
             try:
-                self._write_through(*job)
+                durable, reason = self._write_through(job.layout, job.keys)
             except TimeoutError:  # the store did not answer in time: the turn stays local
                 self.counters.add("remote_write_through_failed")
+                reason = "the store did not read the turn's blocks in time"
             except (ClientClosed, concurrent.futures.CancelledError):
-                return  # the client closed (its uploads cancelled) under the job: shutting down
+                # The client closed (its uploads cancelled) under the job: shutting down.
+                reason = "the remote tier closed while the turn was written"
+                self._drop_queued(None)
+                return
             finally:
+                self.turns.finish(job, durable, reason)
                 self._upload_done(0)
 
-    def _drop_queued(self, job: tuple[KVLayout, list[BlockKey]] | None) -> None:
-        dropped = 0 if job is None else 1
+    def _drop_queued(self, job: TurnJob | None) -> None:
+        jobs = [] if job is None else [job]
         while True:
             try:
-                dropped += self._jobs.get_nowait() is not None
+                more = self._jobs.get_nowait()
             except queue.Empty:
                 break
+            if more is not None:
+                jobs.append(more)
+        for j in jobs:
+            self.turns.finish(j, 0, "the remote tier closed before the turn was written")
+        dropped = len(jobs)
         if dropped:
             self.counters.add("remote_write_through_dropped", dropped)
             with self._cond:
@@ -239,27 +273,30 @@ class RemoteUploader:
                 self._gauges()
                 self._cond.notify_all()
 
-    def _write_through(self, layout: KVLayout, keys: list[BlockKey]) -> None:
+    def _write_through(self, layout: KVLayout, keys: list[BlockKey]) -> tuple[int, str]:
         """Upload the chain's blocks that the bucket lacks, then a manifest at
-        every checkpoint the uploaded prefix reaches."""
+        every checkpoint the uploaded prefix reaches. Returns how many leading
+        blocks the bucket acknowledged, and why not all ("" when all)."""
         fp, nbytes = layout.fingerprint, layout.block_bytes
         self.counters.add("remote_write_through_turns")
         present = self.contains(fp, keys, self.cfg.remote_request_timeout_s)
-        uploads: list[concurrent.futures.Future[bool]] = []
-        prefix = 0
-        for key, held in zip(keys, present):
+        uploads: list[tuple[int, concurrent.futures.Future[bool]]] = []
+        prefix, stop = 0, ""
+        for i, (key, held) in enumerate(zip(keys, present)):
             if not held:
                 if self.source is None or not self._take_room(fmt.HEADER_BYTES + nbytes, True):
+                    stop = f"block {i} could not be read for upload (no source, or closing)"
                     break
                 buf = bytearray(fmt.HEADER_BYTES + nbytes)
                 digest = self.source(layout, key, memoryview(buf)[fmt.HEADER_BYTES :])
                 if digest is None:  # no longer held here: the chain stops
                     self._upload_done(len(buf))
+                    stop = f"block {i} of the turn is no longer held here"
                     break
                 buf[: fmt.HEADER_BYTES] = fmt.header(fmt.KIND_BLOCK, fp, key, digest, nbytes)
-                uploads.append(self._start_upload(self._path(fp, key), key, buf))
+                uploads.append((i, self._start_upload(self._path(fp, key), key, buf)))
             prefix += 1
-        for fut in uploads:
+        for i, fut in uploads:
             try:
                 ok = fut.result(
                     self.cfg.remote_upload_give_up_s + self.cfg.remote_request_timeout_s
@@ -267,8 +304,9 @@ class RemoteUploader:
             except concurrent.futures.TimeoutError:
                 ok = False
             if not ok:
-                return  # a hole: no manifest may vouch for it
+                return i, f"the upload of block {i} failed"  # a hole: no manifest may vouch for it
         self._write_manifests(fp, keys, prefix)
+        return prefix, stop
 
     def _write_manifests(self, fp: bytes, keys: list[BlockKey], prefix: int) -> None:
         every = self.cfg.remote_manifest_every_blocks

@@ -53,6 +53,7 @@ from tierstore.store.layouts import LayoutRegistry
 from tierstore.store.nvme import NvmeTier
 from tierstore.store.promoter import PROMOTER_COUNTERS
 from tierstore.store.remote_pull import pull_prefix
+from tierstore.store.remote_turns import Durability
 from tierstore.store.replicas import make_replica_room, prune_gone
 from tierstore.store.results import LookupResult, Reservation
 from tierstore.store.stat import STORE_GAUGES as STORE_GAUGES  # re-exported (/metrics)
@@ -398,6 +399,16 @@ class TieredStore:
         if self.remote is None:
             return False
         return self.remote.end_turn(layout, check_keys(keys), num_tokens)
+
+    def end_turn_remote_durable(
+        self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float
+    ) -> Durability:
+        """Write a turn through to the remote tier, whatever its length, and
+        wait (up to ``timeout_s``) until the bucket acknowledged every block."""
+        keys = check_keys(keys)
+        if self.remote is None:
+            return Durability(len(keys), 0, 0.0, "this sidecar has no remote tier (remote_url)")
+        return self.remote.end_turn_durable(layout, keys, timeout_s)
 
     def flush_remote(self, timeout_s: float) -> bool:
         """Wait for the remote tier's queued uploads; False at the deadline."""
