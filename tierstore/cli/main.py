@@ -193,6 +193,8 @@ def format_stat(stat: dict[str, Any]) -> str:
         ),
     ]
     lines += _restart_lines(stat.get("info", {}), c)
+    if "remote_turns_not_durable" in c:
+        lines.append(_remote_line(c))
     if "peer_lookups" in c:
         lines.append(
             "peers     lookups {} (errors {}, timeouts {})  fetched {} blocks, {} "
@@ -257,6 +259,25 @@ def format_stat(stat: dict[str, Any]) -> str:
             f"{float(cl['connected_s']):.0f}s, {cl['pins']} pins"
         )
     return "\n".join(lines)
+
+
+def _remote_line(c: dict[str, int]) -> str:
+    """What a crash would lose now, and how long turns take to be durable."""
+    return (
+        "remote    not yet in the bucket: {} turns ({} blocks), {} uploads ({})  "
+        "turns durable {} (end_turn to durable p50 {:.3f}s p99 {:.3f}s max {:.3f}s)  "
+        "not written {}".format(
+            c.get("remote_turns_not_durable", 0),
+            c.get("remote_turn_blocks_not_durable", 0),
+            c.get("remote_uploads_queued", 0),
+            _human_bytes(c.get("remote_upload_bytes_queued", 0)),
+            c.get("remote_turns_durable", 0),
+            c.get("remote_turn_durable_p50_us", 0) / 1e6,
+            c.get("remote_turn_durable_p99_us", 0) / 1e6,
+            c.get("remote_turn_durable_us_max", 0) / 1e6,
+            c.get("remote_turns_not_written", 0),
+        )
+    )
 
 
 def _restart_lines(info: dict[str, str], c: dict[str, int]) -> list[str]:

@@ -471,13 +471,27 @@ class StoreClient:
         *,
         wait: bool = False,
         replica_target: str = "",
+        durable: bool = False,
+        durable_timeout_s: float = 0.0,
     ) -> local_pb2.EndTurnReply:
         """Tell the sidecar a turn of ``session`` ended with these full blocks
         (stored first: HBM-only blocks are written down). For a turn of at
         least min_tokens the sidecar pushes the blocks the session's spill
         host lacks (kv_share): ``replica_target`` (a peer's host:port, e.g.
         a router's ``spill_host``) or else the session's rendezvous spill
-        host; ``wait`` returns after that push."""
+        host; ``wait`` returns after that push.
+
+        A turn of at least ``remote_min_tokens`` is written through to the
+        remote tier in the background: until the bucket has it (the
+        sidecar's ``remote_turns_not_durable``), a crash of the host loses
+        it. ``durable`` writes the turn through whatever its length and
+        returns once the bucket acknowledged every block, or after
+        ``durable_timeout_s`` (0: the sidecar's ``remote_durable_timeout_s``;
+        keep it under this client's ``call_timeout_s``): the reply's
+        ``durable`` says which (``durable_blocks``, ``not_durable_reason``).
+        It never raises for a turn that did not become durable."""
+        if durable_timeout_s < 0:
+            raise ValueError(f"durable_timeout_s must be >= 0, got {durable_timeout_s}")
         keys = check_keys(keys)
         self.flush()
         req = local_pb2.EndTurnRequest(
@@ -488,6 +502,8 @@ class StoreClient:
             num_tokens=num_tokens,
             wait=wait,
             replica_target=replica_target,
+            durable=durable,
+            durable_timeout_s=durable_timeout_s,
         )
         return self._call(self._stub.EndTurn, req, "end turn")
 

@@ -393,15 +393,24 @@ class HFStoreAdapter:
         return sum(held)
 
     def end_turn(
-        self, session: str, token_ids: TokenIds, *, wait: bool = False, replica_target: str = ""
+        self,
+        session: str,
+        token_ids: TokenIds,
+        *,
+        wait: bool = False,
+        replica_target: str = "",
+        durable: bool = False,
+        durable_timeout_s: float = 0.0,
     ) -> Any:
         """Tell the sidecar that ``session``'s turn ended with ``token_ids``
         (stored first with ``save``); long turns are replicated to a peer:
-        ``replica_target`` (a router's spill host) or the rendezvous one."""
+        ``replica_target`` (a router's spill host) or the rendezvous one.
+        ``durable``: return once the remote tier's bucket holds every block
+        of the turn (see ``StoreClient.end_turn``; the reply's ``durable``)."""
         ids = _as_ids(token_ids)
         return self.client.end_turn(
             session, self.layout, self.keys(ids), int(ids.numel()), wait=wait,
-            replica_target=replica_target,
+            replica_target=replica_target, durable=durable, durable_timeout_s=durable_timeout_s,
         )  # fmt: skip
 
     # -- prefill -------------------------------------------------------------------------

@@ -373,16 +373,19 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         layout, keys = self._layout(request.layout_id), self._keys(request.keys)
         if not request.session or len(request.session) > 256:
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "session must be 1-256 characters")
+        if request.durable_timeout_s < 0:
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, "durable_timeout_s must be >= 0")
         self.store.adopt(keys)
         self.store.turn_ended(keys, request.num_tokens)
-        self.store.end_turn_remote(layout, keys, request.num_tokens)  # remote tier: write-through
+        if not request.durable:
+            self.store.end_turn_remote(layout, keys, request.num_tokens)  # remote: write-through
         if self.peers is None:
             if request.replica_target:
                 raise BadRequest(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "replica_target is set but this sidecar has no peers (peer_port is 0)",
                 )
-            return local_pb2.EndTurnReply()
+            return self._durable(request, layout, keys, local_pb2.EndTurnReply())
         target = request.replica_target or self.peers.spill_target(request.session)
         if request.replica_target and request.replica_target not in self.peers.clients:
             raise BadRequest(
@@ -398,6 +401,24 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             reply.pushed = push.reply.imported
             reply.push_s = push.reply.import_s
             reply.push_tail_s = push.reply.tail_s
+        return self._durable(request, layout, keys, reply)
+
+    def _durable(
+        self,
+        request: local_pb2.EndTurnRequest,
+        layout: KVLayout,
+        keys: list[BlockKey],
+        reply: local_pb2.EndTurnReply,
+    ) -> local_pb2.EndTurnReply:
+        """A durable EndTurn: write the turn through, wait for the bucket (bounded)."""
+        if not request.durable:
+            return reply
+        timeout_s = request.durable_timeout_s or self.config.remote.remote_durable_timeout_s
+        got = self.store.end_turn_remote_durable(layout, keys, timeout_s)
+        reply.durable_blocks = got.durable_blocks
+        reply.durable = got.durable
+        reply.durable_wait_s = got.wait_s
+        reply.not_durable_reason = got.reason
         return reply
 
     @_handler

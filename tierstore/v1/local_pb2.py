@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tierstore.v1 import common_pb2 as tierstore_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierstore/v1/local.proto\x12\x0ctierstore.v1\x1a\x19tierstore/v1/common.proto\"1\n\rAttachRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"y\n\x0b\x41ttachEvent\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eserver_version\x18\x04 \x01(\t\x12\x16\n\x0emax_batch_keys\x18\x05 \x01(\r\"=\n\x15RegisterLayoutRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\"=\n\x13RegisterLayoutReply\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\"}\n\x0bKeysRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x15\n\rinclude_peers\x18\x04 \x01(\x08\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\x12\x0f\n\x07session\x18\x06 \x01(\t\"\x8f\x01\n\x0e\x45ndTurnRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0f\n\x07session\x18\x03 \x01(\t\x12\x0c\n\x04keys\x18\x04 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x0c\n\x04wait\x18\x06 \x01(\x08\x12\x16\n\x0ereplica_target\x18\x07 \x01(\t\"p\n\x0c\x45ndTurnReply\x12\x16\n\x0ereplica_target\x18\x01 \x01(\t\x12\x13\n\x0breplicating\x18\x02 \x01(\x08\x12\x0e\n\x06pushed\x18\x03 \x01(\r\x12\x0e\n\x06push_s\x18\x04 \x01(\x01\x12\x13\n\x0bpush_tail_s\x18\x05 \x01(\x01\"1\n\x0cReserveReply\x12\x10\n\x08statuses\x18\x01 \x01(\x0c\x12\x0f\n\x07offsets\x18\x02 \x03(\x03\"\x1b\n\nFlagsReply\x12\r\n\x05\x66lags\x18\x01 \x01(\x0c\"\x1b\n\nCountReply\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\".\n\x0bLookupReply\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\".\n\x0c\x41\x63quireReply\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\x12\r\n\x05tiers\x18\x02 \x01(\x0c\"\x86\x01\n\x0fPrefetchRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12,\n\x06policy\x18\x04 \x01(\x0e\x32\x1c.tierstore.v1.PrefetchPolicy\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"o\n\rPrefetchReply\x12.\n\x07outcome\x18\x01 \x01(\x0e\x32\x1d.tierstore.v1.PrefetchOutcome\x12\x14\n\x0cready_blocks\x18\x02 \x01(\r\x12\x18\n\x10\x61vailable_blocks\x18\x03 \x01(\r\"\r\n\x0bStatRequest\"]\n\nClientInfo\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x13\n\x0b\x63onnected_s\x18\x04 \x01(\x01\x12\x0c\n\x04pins\x18\x05 \x01(\x04\"\x8a\x01\n\x11ReportLoadRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x12\n\nbusy_slots\x18\x02 \x01(\r\x12\r\n\x05slots\x18\x03 \x01(\r\x12\x11\n\tqueue_len\x18\x04 \x01(\r\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\"7\n\x0fReportLoadReply\x12$\n\x04host\x18\x01 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\"N\n\x12ReportTiersRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12%\n\x05tiers\x18\x02 \x03(\x0b\x32\x16.tierstore.v1.TierStat\"\x12\n\x10ReportTiersReply\"\xad\x03\n\tStatReply\x12%\n\x05tiers\x18\x01 \x03(\x0b\x32\x16.tierstore.v1.TierStat\x12\x37\n\x08\x63ounters\x18\x02 \x03(\x0b\x32%.tierstore.v1.StatReply.CountersEntry\x12)\n\x07\x63lients\x18\x03 \x03(\x0b\x32\x18.tierstore.v1.ClientInfo\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x13\n\x0bsocket_path\x18\x06 \x01(\t\x12\x10\n\x08nvme_dir\x18\x07 \x01(\t\x12$\n\x04load\x18\x08 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\x12\x16\n\x0e\x66\x61iled_workers\x18\t \x03(\t\x12/\n\x04info\x18\n \x03(\x0b\x32!.tierstore.v1.StatReply.InfoEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*E\n\rReserveStatus\x12\x0e\n\nRESERVE_OK\x10\x00\x12\x12\n\x0eRESERVE_EXISTS\x10\x01\x12\x10\n\x0cRESERVE_FULL\x10\x02*S\n\x0ePrefetchPolicy\x12\x18\n\x14PREFETCH_BEST_EFFORT\x10\x00\x12\x11\n\rPREFETCH_WAIT\x10\x01\x12\x14\n\x10PREFETCH_TIMEOUT\x10\x02*e\n\x0fPrefetchOutcome\x12\x14\n\x10PREFETCH_STARTED\x10\x00\x12\x11\n\rPREFETCH_DONE\x10\x01\x12\x11\n\rPREFETCH_LATE\x10\x02\x12\x16\n\x12PREFETCH_CANCELLED\x10\x03\x32\x95\x07\n\x0cLocalService\x12\x42\n\x06\x41ttach\x12\x1b.tierstore.v1.AttachRequest\x1a\x19.tierstore.v1.AttachEvent0\x01\x12X\n\x0eRegisterLayout\x12#.tierstore.v1.RegisterLayoutRequest\x1a!.tierstore.v1.RegisterLayoutReply\x12@\n\x07Reserve\x12\x19.tierstore.v1.KeysRequest\x1a\x1a.tierstore.v1.ReserveReply\x12=\n\x06\x43ommit\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.FlagsReply\x12<\n\x05\x41\x62ort\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.CountReply\x12>\n\x06Lookup\x12\x19.tierstore.v1.KeysRequest\x1a\x19.tierstore.v1.LookupReply\x12@\n\x07\x41\x63quire\x12\x19.tierstore.v1.KeysRequest\x1a\x1a.tierstore.v1.AcquireReply\x12>\n\x07Release\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.CountReply\x12\x46\n\x08Prefetch\x12\x1d.tierstore.v1.PrefetchRequest\x1a\x1b.tierstore.v1.PrefetchReply\x12\x43\n\x07\x45ndTurn\x12\x1c.tierstore.v1.EndTurnRequest\x1a\x1a.tierstore.v1.EndTurnReply\x12L\n\nReportLoad\x12\x1f.tierstore.v1.ReportLoadRequest\x1a\x1d.tierstore.v1.ReportLoadReply\x12O\n\x0bReportTiers\x12 .tierstore.v1.ReportTiersRequest\x1a\x1e.tierstore.v1.ReportTiersReply\x12:\n\x04Stat\x12\x19.tierstore.v1.StatRequest\x1a\x17.tierstore.v1.StatReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tierstore/v1/local.proto\x12\x0ctierstore.v1\x1a\x19tierstore/v1/common.proto\"1\n\rAttachRequest\x12\x13\n\x0b\x63lient_name\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\r\"y\n\x0b\x41ttachEvent\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eserver_version\x18\x04 \x01(\t\x12\x16\n\x0emax_batch_keys\x18\x05 \x01(\r\"=\n\x15RegisterLayoutRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.tierstore.v1.Layout\"=\n\x13RegisterLayoutReply\x12\x11\n\tlayout_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\"}\n\x0bKeysRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x15\n\rinclude_peers\x18\x04 \x01(\x08\x12\x12\n\ndeadline_s\x18\x05 \x01(\x01\x12\x0f\n\x07session\x18\x06 \x01(\t\"\xbb\x01\n\x0e\x45ndTurnRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0f\n\x07session\x18\x03 \x01(\t\x12\x0c\n\x04keys\x18\x04 \x01(\x0c\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x0c\n\x04wait\x18\x06 \x01(\x08\x12\x16\n\x0ereplica_target\x18\x07 \x01(\t\x12\x0f\n\x07\x64urable\x18\x08 \x01(\x08\x12\x19\n\x11\x64urable_timeout_s\x18\t \x01(\x01\"\xcd\x01\n\x0c\x45ndTurnReply\x12\x16\n\x0ereplica_target\x18\x01 \x01(\t\x12\x13\n\x0breplicating\x18\x02 \x01(\x08\x12\x0e\n\x06pushed\x18\x03 \x01(\r\x12\x0e\n\x06push_s\x18\x04 \x01(\x01\x12\x13\n\x0bpush_tail_s\x18\x05 \x01(\x01\x12\x16\n\x0e\x64urable_blocks\x18\x06 \x01(\r\x12\x0f\n\x07\x64urable\x18\x07 \x01(\x08\x12\x16\n\x0e\x64urable_wait_s\x18\x08 \x01(\x01\x12\x1a\n\x12not_durable_reason\x18\t \x01(\t\"1\n\x0cReserveReply\x12\x10\n\x08statuses\x18\x01 \x01(\x0c\x12\x0f\n\x07offsets\x18\x02 \x03(\x03\"\x1b\n\nFlagsReply\x12\r\n\x05\x66lags\x18\x01 \x01(\x0c\"\x1b\n\nCountReply\x12\r\n\x05\x63ount\x18\x01 \x01(\x04\".\n\x0bLookupReply\x12\x10\n\x08num_hits\x18\x01 \x01(\r\x12\r\n\x05tiers\x18\x02 \x01(\x0c\".\n\x0c\x41\x63quireReply\x12\x0f\n\x07offsets\x18\x01 \x03(\x03\x12\r\n\x05tiers\x18\x02 \x01(\x0c\"\x86\x01\n\x0fPrefetchRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x11\n\tlayout_id\x18\x02 \x01(\x0c\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12,\n\x06policy\x18\x04 \x01(\x0e\x32\x1c.tierstore.v1.PrefetchPolicy\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\"o\n\rPrefetchReply\x12.\n\x07outcome\x18\x01 \x01(\x0e\x32\x1d.tierstore.v1.PrefetchOutcome\x12\x14\n\x0cready_blocks\x18\x02 \x01(\r\x12\x18\n\x10\x61vailable_blocks\x18\x03 \x01(\r\"\r\n\x0bStatRequest\"]\n\nClientInfo\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x13\n\x0b\x63onnected_s\x18\x04 \x01(\x01\x12\x0c\n\x04pins\x18\x05 \x01(\x04\"\x8a\x01\n\x11ReportLoadRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12\x12\n\nbusy_slots\x18\x02 \x01(\r\x12\r\n\x05slots\x18\x03 \x01(\r\x12\x11\n\tqueue_len\x18\x04 \x01(\r\x12\x0e\n\x06wait_s\x18\x05 \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\x06 \x01(\x01\"7\n\x0fReportLoadReply\x12$\n\x04host\x18\x01 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\"N\n\x12ReportTiersRequest\x12\x11\n\tclient_id\x18\x01 \x01(\x04\x12%\n\x05tiers\x18\x02 \x03(\x0b\x32\x16.tierstore.v1.TierStat\"\x12\n\x10ReportTiersReply\"\xad\x03\n\tStatReply\x12%\n\x05tiers\x18\x01 \x03(\x0b\x32\x16.tierstore.v1.TierStat\x12\x37\n\x08\x63ounters\x18\x02 \x03(\x0b\x32%.tierstore.v1.StatReply.CountersEntry\x12)\n\x07\x63lients\x18\x03 \x03(\x0b\x32\x18.tierstore.v1.ClientInfo\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x13\n\x0bsocket_path\x18\x06 \x01(\t\x12\x10\n\x08nvme_dir\x18\x07 \x01(\t\x12$\n\x04load\x18\x08 \x01(\x0b\x32\x16.tierstore.v1.HostLoad\x12\x16\n\x0e\x66\x61iled_workers\x18\t \x03(\t\x12/\n\x04info\x18\n \x03(\x0b\x32!.tierstore.v1.StatReply.InfoEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a+\n\tInfoEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*E\n\rReserveStatus\x12\x0e\n\nRESERVE_OK\x10\x00\x12\x12\n\x0eRESERVE_EXISTS\x10\x01\x12\x10\n\x0cRESERVE_FULL\x10\x02*S\n\x0ePrefetchPolicy\x12\x18\n\x14PREFETCH_BEST_EFFORT\x10\x00\x12\x11\n\rPREFETCH_WAIT\x10\x01\x12\x14\n\x10PREFETCH_TIMEOUT\x10\x02*e\n\x0fPrefetchOutcome\x12\x14\n\x10PREFETCH_STARTED\x10\x00\x12\x11\n\rPREFETCH_DONE\x10\x01\x12\x11\n\rPREFETCH_LATE\x10\x02\x12\x16\n\x12PREFETCH_CANCELLED\x10\x03\x32\x95\x07\n\x0cLocalService\x12\x42\n\x06\x41ttach\x12\x1b.tierstore.v1.AttachRequest\x1a\x19.tierstore.v1.AttachEvent0\x01\x12X\n\x0eRegisterLayout\x12#.tierstore.v1.RegisterLayoutRequest\x1a!.tierstore.v1.RegisterLayoutReply\x12@\n\x07Reserve\x12\x19.tierstore.v1.KeysRequest\x1a\x1a.tierstore.v1.ReserveReply\x12=\n\x06\x43ommit\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.FlagsReply\x12<\n\x05\x41\x62ort\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.CountReply\x12>\n\x06Lookup\x12\x19.tierstore.v1.KeysRequest\x1a\x19.tierstore.v1.LookupReply\x12@\n\x07\x41\x63quire\x12\x19.tierstore.v1.KeysRequest\x1a\x1a.tierstore.v1.AcquireReply\x12>\n\x07Release\x12\x19.tierstore.v1.KeysRequest\x1a\x18.tierstore.v1.CountReply\x12\x46\n\x08Prefetch\x12\x1d.tierstore.v1.PrefetchRequest\x1a\x1b.tierstore.v1.PrefetchReply\x12\x43\n\x07\x45ndTurn\x12\x1c.tierstore.v1.EndTurnRequest\x1a\x1a.tierstore.v1.EndTurnReply\x12L\n\nReportLoad\x12\x1f.tierstore.v1.ReportLoadRequest\x1a\x1d.tierstore.v1.ReportLoadReply\x12O\n\x0bReportTiers\x12 .tierstore.v1.ReportTiersRequest\x1a\x1e.tierstore.v1.ReportTiersReply\x12:\n\x04Stat\x12\x19.tierstore.v1.StatRequest\x1a\x17.tierstore.v1.StatReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,12 +36,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATREPLY_COUNTERSENTRY']._serialized_options = b'8\001'
   _globals['_STATREPLY_INFOENTRY']._loaded_options = None
   _globals['_STATREPLY_INFOENTRY']._serialized_options = b'8\001'
-  _globals['_RESERVESTATUS']._serialized_start=2051
-  _globals['_RESERVESTATUS']._serialized_end=2120
-  _globals['_PREFETCHPOLICY']._serialized_start=2122
-  _globals['_PREFETCHPOLICY']._serialized_end=2205
-  _globals['_PREFETCHOUTCOME']._serialized_start=2207
-  _globals['_PREFETCHOUTCOME']._serialized_end=2308
+  _globals['_RESERVESTATUS']._serialized_start=2189
+  _globals['_RESERVESTATUS']._serialized_end=2258
+  _globals['_PREFETCHPOLICY']._serialized_start=2260
+  _globals['_PREFETCHPOLICY']._serialized_end=2343
+  _globals['_PREFETCHOUTCOME']._serialized_start=2345
+  _globals['_PREFETCHOUTCOME']._serialized_end=2446
   _globals['_ATTACHREQUEST']._serialized_start=69
   _globals['_ATTACHREQUEST']._serialized_end=118
   _globals['_ATTACHEVENT']._serialized_start=120
@@ -53,41 +53,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KEYSREQUEST']._serialized_start=369
   _globals['_KEYSREQUEST']._serialized_end=494
   _globals['_ENDTURNREQUEST']._serialized_start=497
-  _globals['_ENDTURNREQUEST']._serialized_end=640
-  _globals['_ENDTURNREPLY']._serialized_start=642
-  _globals['_ENDTURNREPLY']._serialized_end=754
-  _globals['_RESERVEREPLY']._serialized_start=756
-  _globals['_RESERVEREPLY']._serialized_end=805
-  _globals['_FLAGSREPLY']._serialized_start=807
-  _globals['_FLAGSREPLY']._serialized_end=834
-  _globals['_COUNTREPLY']._serialized_start=836
-  _globals['_COUNTREPLY']._serialized_end=863
-  _globals['_LOOKUPREPLY']._serialized_start=865
-  _globals['_LOOKUPREPLY']._serialized_end=911
-  _globals['_ACQUIREREPLY']._serialized_start=913
-  _globals['_ACQUIREREPLY']._serialized_end=959
-  _globals['_PREFETCHREQUEST']._serialized_start=962
-  _globals['_PREFETCHREQUEST']._serialized_end=1096
-  _globals['_PREFETCHREPLY']._serialized_start=1098
-  _globals['_PREFETCHREPLY']._serialized_end=1209
-  _globals['_STATREQUEST']._serialized_start=1211
-  _globals['_STATREQUEST']._serialized_end=1224
-  _globals['_CLIENTINFO']._serialized_start=1226
-  _globals['_CLIENTINFO']._serialized_end=1319
-  _globals['_REPORTLOADREQUEST']._serialized_start=1322
-  _globals['_REPORTLOADREQUEST']._serialized_end=1460
-  _globals['_REPORTLOADREPLY']._serialized_start=1462
-  _globals['_REPORTLOADREPLY']._serialized_end=1517
-  _globals['_REPORTTIERSREQUEST']._serialized_start=1519
-  _globals['_REPORTTIERSREQUEST']._serialized_end=1597
-  _globals['_REPORTTIERSREPLY']._serialized_start=1599
-  _globals['_REPORTTIERSREPLY']._serialized_end=1617
-  _globals['_STATREPLY']._serialized_start=1620
-  _globals['_STATREPLY']._serialized_end=2049
-  _globals['_STATREPLY_COUNTERSENTRY']._serialized_start=1957
-  _globals['_STATREPLY_COUNTERSENTRY']._serialized_end=2004
-  _globals['_STATREPLY_INFOENTRY']._serialized_start=2006
-  _globals['_STATREPLY_INFOENTRY']._serialized_end=2049
-  _globals['_LOCALSERVICE']._serialized_start=2311
-  _globals['_LOCALSERVICE']._serialized_end=3228
+  _globals['_ENDTURNREQUEST']._serialized_end=684
+  _globals['_ENDTURNREPLY']._serialized_start=687
+  _globals['_ENDTURNREPLY']._serialized_end=892
+  _globals['_RESERVEREPLY']._serialized_start=894
+  _globals['_RESERVEREPLY']._serialized_end=943
+  _globals['_FLAGSREPLY']._serialized_start=945
+  _globals['_FLAGSREPLY']._serialized_end=972
+  _globals['_COUNTREPLY']._serialized_start=974
+  _globals['_COUNTREPLY']._serialized_end=1001
+  _globals['_LOOKUPREPLY']._serialized_start=1003
+  _globals['_LOOKUPREPLY']._serialized_end=1049
+  _globals['_ACQUIREREPLY']._serialized_start=1051
+  _globals['_ACQUIREREPLY']._serialized_end=1097
+  _globals['_PREFETCHREQUEST']._serialized_start=1100
+  _globals['_PREFETCHREQUEST']._serialized_end=1234
+  _globals['_PREFETCHREPLY']._serialized_start=1236
+  _globals['_PREFETCHREPLY']._serialized_end=1347
+  _globals['_STATREQUEST']._serialized_start=1349
+  _globals['_STATREQUEST']._serialized_end=1362
+  _globals['_CLIENTINFO']._serialized_start=1364
+  _globals['_CLIENTINFO']._serialized_end=1457
+  _globals['_REPORTLOADREQUEST']._serialized_start=1460
+  _globals['_REPORTLOADREQUEST']._serialized_end=1598
+  _globals['_REPORTLOADREPLY']._serialized_start=1600
+  _globals['_REPORTLOADREPLY']._serialized_end=1655
+  _globals['_REPORTTIERSREQUEST']._serialized_start=1657
+  _globals['_REPORTTIERSREQUEST']._serialized_end=1735
+  _globals['_REPORTTIERSREPLY']._serialized_start=1737
+  _globals['_REPORTTIERSREPLY']._serialized_end=1755
+  _globals['_STATREPLY']._serialized_start=1758
+  _globals['_STATREPLY']._serialized_end=2187
+  _globals['_STATREPLY_COUNTERSENTRY']._serialized_start=2095
+  _globals['_STATREPLY_COUNTERSENTRY']._serialized_end=2142
+  _globals['_STATREPLY_INFOENTRY']._serialized_start=2144
+  _globals['_STATREPLY_INFOENTRY']._serialized_end=2187
+  _globals['_LOCALSERVICE']._serialized_start=2449
+  _globals['_LOCALSERVICE']._serialized_end=3366
 # @@protoc_insertion_point(module_scope)

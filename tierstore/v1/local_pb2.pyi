@@ -90,7 +90,7 @@ class KeysRequest(_message.Message):
     def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., include_peers: _Optional[bool] = ..., deadline_s: _Optional[float] = ..., session: _Optional[str] = ...) -> None: ...
 
 class EndTurnRequest(_message.Message):
-    __slots__ = ("client_id", "layout_id", "session", "keys", "num_tokens", "wait", "replica_target")
+    __slots__ = ("client_id", "layout_id", "session", "keys", "num_tokens", "wait", "replica_target", "durable", "durable_timeout_s")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,8 @@ class EndTurnRequest(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
     REPLICA_TARGET_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     client_id: int
     layout_id: bytes
     session: str
@@ -105,21 +107,31 @@ class EndTurnRequest(_message.Message):
     num_tokens: int
     wait: bool
     replica_target: str
-    def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., session: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., wait: _Optional[bool] = ..., replica_target: _Optional[str] = ...) -> None: ...
+    durable: bool
+    durable_timeout_s: float
+    def __init__(self, client_id: _Optional[int] = ..., layout_id: _Optional[bytes] = ..., session: _Optional[str] = ..., keys: _Optional[bytes] = ..., num_tokens: _Optional[int] = ..., wait: _Optional[bool] = ..., replica_target: _Optional[str] = ..., durable: _Optional[bool] = ..., durable_timeout_s: _Optional[float] = ...) -> None: ...
 
 class EndTurnReply(_message.Message):
-    __slots__ = ("replica_target", "replicating", "pushed", "push_s", "push_tail_s")
+    __slots__ = ("replica_target", "replicating", "pushed", "push_s", "push_tail_s", "durable_blocks", "durable", "durable_wait_s", "not_durable_reason")
     REPLICA_TARGET_FIELD_NUMBER: _ClassVar[int]
     REPLICATING_FIELD_NUMBER: _ClassVar[int]
     PUSHED_FIELD_NUMBER: _ClassVar[int]
     PUSH_S_FIELD_NUMBER: _ClassVar[int]
     PUSH_TAIL_S_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    NOT_DURABLE_REASON_FIELD_NUMBER: _ClassVar[int]
     replica_target: str
     replicating: bool
     pushed: int
     push_s: float
     push_tail_s: float
-    def __init__(self, replica_target: _Optional[str] = ..., replicating: _Optional[bool] = ..., pushed: _Optional[int] = ..., push_s: _Optional[float] = ..., push_tail_s: _Optional[float] = ...) -> None: ...
+    durable_blocks: int
+    durable: bool
+    durable_wait_s: float
+    not_durable_reason: str
+    def __init__(self, replica_target: _Optional[str] = ..., replicating: _Optional[bool] = ..., pushed: _Optional[int] = ..., push_s: _Optional[float] = ..., push_tail_s: _Optional[float] = ..., durable_blocks: _Optional[int] = ..., durable: _Optional[bool] = ..., durable_wait_s: _Optional[float] = ..., not_durable_reason: _Optional[str] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("statuses", "offsets")
