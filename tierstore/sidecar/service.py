@@ -60,6 +60,7 @@ SERVICE_COUNTERS = (
     "leaked_pins_released",
 )
 MAX_MESSAGE_BYTES = 4 << 20
+_DRAM, _PEER, _REMOTE = (TIER_CODES[t] for t in (TierName.DRAM, TierName.PEER, TierName.REMOTE))
 ENGINE_TIERS = (str(TierName.HBM),)  # tiers engines may report (ReportTiers), in display order
 U64_MAX = (1 << 64) - 1
 TIER_STAT_FIELDS = tuple(f for f in common_pb2.TierStat.DESCRIPTOR.fields_by_name if f != "name")
@@ -348,21 +349,25 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         # it, without a lookup call of its own.
         found = self.store.lookup(layout, keys).codes
         entries = self.store.acquire(layout, keys, owner)
+        # Past what the lookup saw: raced into DRAM meanwhile.
+        tiers = found[: len(entries)] + bytes([_DRAM]) * max(0, len(entries) - len(found))
         if request.include_peers and self.peers is not None and len(entries) < len(keys):
             # Pull on switch: the rest of the prefix from the peer that holds it.
             timeout_s = self._peer_deadline(request, self.config.peer.fetch_timeout_s)
             if self.peers.pull(layout, keys[len(entries) :], timeout_s):
                 entries += self.store.acquire(layout, keys[len(entries) :], owner)
+                tiers += bytes([_PEER]) * (len(entries) - len(tiers))
         if request.include_peers and self.store.has_remote and len(entries) < len(keys):
-            # Remote tier: pull the rest of the prefix from the bucket, then pin it.
+            # Remote tier: pull the rest of the prefix from the bucket, then pin it;
+            # the blocks of it held here already are labelled DRAM, the rest REMOTE.
+            rest = keys[len(entries) :]
+            held = self.store.held(rest)
             timeout_s = self._peer_deadline(request, self.config.remote.remote_fetch_timeout_s)
-            if self.store.pull_remote(layout, keys[len(entries) :], timeout_s):
-                entries += self.store.acquire(layout, keys[len(entries) :], owner)
+            if self.store.pull_remote(layout, rest, timeout_s):
+                entries += self.store.acquire(layout, rest, owner)
+                tiers += bytes(_DRAM if h else _REMOTE for h in held[: len(entries) - len(tiers)])
         self.store.adopt([e.key for e in entries])
         self._release_if_detached(owner)
-        # Past what the lookup saw: fetched from a peer, or raced into DRAM meanwhile.
-        beyond = TIER_CODES[TierName.PEER if request.include_peers else TierName.DRAM]
-        tiers = found[: len(entries)] + bytes([beyond]) * max(0, len(entries) - len(found))
         return local_pb2.AcquireReply(offsets=[e.offset for e in entries], tiers=tiers)
 
     @_handler
