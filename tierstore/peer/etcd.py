@@ -8,12 +8,13 @@ credentials come from a file; the token etcd hands out is renewed when it
 expires). Every unary call has a deadline (``membership_timeout_s``).
 
 Why our own stubs (``tierstore/v1/etcd_rpc_pb2*``, from
-``proto/tierstore/v1/etcd_rpc.proto``) rather than a PyPI client: python-etcd3
-(the usual one) fails to import under protobuf >= 4 and is unmaintained since
-2020; etcd3gw (maintained, JSON over etcd's HTTP gateway) took 1.9 ms a put
-and 6.3 ms a 300-key range against 0.8 and 0.95 ms with these stubs on the
-same etcd 3.4 (docs/benchmarks.md), and adds four packages; the asyncio
-clients would put an event loop in a threaded sidecar. These stubs need
+``proto/tierstore/v1/etcd_rpc.proto``) rather than a PyPI client
+(``bench/etcd_clients.py`` measures them on one real etcd; docs/benchmarks.md):
+python-etcd3 fails to import under protobuf >= 4; etcd-sdk-python is as fast
+but refuses every call for 300 s after one failed call and never logs in
+again after an etcd restart; etcd-client-py drops the lease id, so a member
+cannot register under a lease; etcd3gw (JSON over etcd's HTTP gateway) is 3x
+slower a put and 9x a 300-key range and adds ten packages. These stubs need
 nothing beyond the grpcio and protobuf we already pin.
 
 Used by ``tierstore.peer.etcd_members`` in the sidecar and the router; no
