@@ -4,9 +4,13 @@ deletes): a link shaped very slow (tc tbf 8 mbit), a link taken down in the
 middle of a large pull, random packet loss on both ends of the link (5% and
 30%: a classic BPF program on clsact ingress drops packets, see relay.py;
 this kernel has no netem and the machine no nft or iptables), and added
-latency (100 ms each way: a second pair of sidecars, A2 and B2, whose peer
-traffic, gRPC and data channel, goes through a delaying relay in B's
-namespace at 10.201.0.3; B2 listens on 10.201.0.4 and advertises the relay).
+round-trip time (100 ms each way, 200 ms RTT: a second pair of sidecars, A2
+in A's namespace and B2 at 10.201.0.4 in a third namespace whose only link to
+A is a delay line of two TUN devices, see relay.py ``DelayLine``; it delays
+IP packets, not the bytes of a relayed connection, so the sidecars' own TCP
+stacks see the RTT, and the test checks that both B2's gRPC port and its
+data channel's port had connections across it and that the kernel's RTT
+estimate of those connections includes the delay).
 
 Sidecar A (the host the session moved to) pulls a 4 MiB prefix that only
 sidecar B holds; the client runs in the root namespace and talks to A over
@@ -22,7 +26,8 @@ that TCP really retransmitted (the fault was injected); under latency alone,
 that the whole pull and the lookup still succeed within generous deadlines.
 
 Needs root, ip(8) and tc(8) (skipped without them); the loss test skips if
-the kernel refuses the clsact/cls_bpf filter, with tc's message. Killed
+the kernel refuses the clsact/cls_bpf filter, with tc's message. The latency
+tests also need /dev/net/tun and ss(8) (iproute2), and fail without them. Killed
 peers, peers that never answer and hostile streams are covered on loopback by
 tests/integration/test_peers.py.
 """
@@ -30,6 +35,7 @@ tests/integration/test_peers.py.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -45,7 +51,7 @@ from tierstore.client import StoreClient
 from tierstore.tiers import TierName
 
 from .harness import BLOCK, LAYOUT, REPO, Sidecar, blocks_of, chain, count_wrong
-from .relay import DelayRelay, drop_random, listening_ports, stop_dropping, tcp_retransmits
+from .relay import DelayLine, drop_random, listening_ports, stop_dropping, tcp_retransmits
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
@@ -54,15 +60,16 @@ pytestmark = pytest.mark.skipif(
 
 TOKEN = "reliability-net-token"
 ADDR_A, ADDR_B = "10.201.0.1", "10.201.0.2"
-ADDR_RELAY, ADDR_B2 = "10.201.0.3", "10.201.0.4"  # both on B's end of the veth
+ADDR_B2 = "10.201.0.4"  # B2's own namespace: reached from A only over the delay line
 DEV_A, DEV_B = "tsrel0", "tsrel1"
+TUN_A, TUN_B2 = "tsdly0", "tsdly1"  # the delay line's ends in A's and B2's namespaces
 PORT, PORT2 = 7700, 7701  # peer ports of A/B and of A2/B2
 PULL_BLOCKS = 512  # 4 MiB
 SENDER_TTL_S = 4.0  # B's fetch_timeout_s: how long its sender may block on a dead link
 LOOKUP_TIMEOUT_S = 3.0  # peer_lookup_timeout_s of the sidecars
 SLACK_S = 1.5  # a call may end this long after its deadline (its last local calls)
 B_DRAM_BLOCKS = 1024  # 8 MiB
-DELAY_S = 0.1  # added one-way latency through the relay
+DELAY_S = 0.1  # added one-way latency of the delay line (a round trip pays it twice)
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -84,10 +91,12 @@ class Pair:
 
 
 @dataclass
-class Relayed:
+class Delayed:
     a: Sidecar
     b: Sidecar
-    relay: DelayRelay
+    line: DelayLine
+    ns_a: str
+    data_port: int  # B2's data channel (its other listening port)
 
 
 def _sidecar(
@@ -133,30 +142,87 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
 
 
 @pytest.fixture(scope="module")
-def relayed(pair: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relayed]:
-    """A2 (in A's namespace) peers with B2 only through the relay; B2 advertises
-    the relay's address, so its data channel goes through the relay too."""
-    for addr in (ADDR_RELAY, ADDR_B2):
-        ip("-n", pair.ns_b, "addr", "add", f"{addr}/24", "dev", DEV_B)
-    root = tmp_path_factory.mktemp("relayed")
-    a = _sidecar(root / "a", pair.ns_a, ADDR_A, f"{ADDR_RELAY}:{PORT2}", 10.0, "16MiB", PORT2)
-    b = _sidecar(
-        root / "b", pair.ns_b, ADDR_B2, f"{ADDR_A}:{PORT2}", SENDER_TTL_S,
-        f"{B_DRAM_BLOCKS * BLOCK}", PORT2, "--set", f"advertise={ADDR_RELAY}:{PORT2}",
-    )  # fmt: skip
-    relay = None
+def delayed(pair: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Delayed]:
+    """A2 (in A's namespace) peers with B2, whose namespace reaches A's only
+    over the delay line: all of B2's traffic, gRPC and data channel both ways,
+    crosses it."""
+    ns_b2 = f"tsrel-b2-{os.getpid()}"
+    line = None
+    sidecars: list[Sidecar] = []
     try:
+        ip("netns", "add", ns_b2)
+        ip("-n", ns_b2, "link", "set", "lo", "up")
+        for ns, dev in ((pair.ns_a, TUN_A), (ns_b2, TUN_B2)):
+            ip("-n", ns, "tuntap", "add", "dev", dev, "mode", "tun")
+            ip("-n", ns, "link", "set", dev, "up")
+        ip("-n", ns_b2, "addr", "add", f"{ADDR_B2}/32", "dev", TUN_B2)
+        ip("-n", ns_b2, "route", "add", f"{ADDR_A}/32", "dev", TUN_B2, "src", ADDR_B2)
+        ip("-n", pair.ns_a, "route", "add", f"{ADDR_B2}/32", "dev", TUN_A, "src", ADDR_A)
+        line = DelayLine([(pair.ns_a, TUN_A), (ns_b2, TUN_B2)], 0.0)
+        root = tmp_path_factory.mktemp("delayed")
+        a = _sidecar(root / "a", pair.ns_a, ADDR_A, f"{ADDR_B2}:{PORT2}", 10.0, "16MiB", PORT2)
+        b = _sidecar(root / "b", ns_b2, ADDR_B2, f"{ADDR_A}:{PORT2}", SENDER_TTL_S,
+                     f"{B_DRAM_BLOCKS * BLOCK}", PORT2)  # fmt: skip
+        sidecars = [b, a]
         b.start()
         ports = listening_ports(b.pid, ADDR_B2)
         assert PORT2 in ports and len(ports) == 2, f"B2 should listen on 2 ports: {ports}"
-        relay = DelayRelay(pair.ns_b, ADDR_RELAY, ADDR_B2, sorted(ports), 0.0)
-        a.start()  # after the relay: else its channel to B2 starts in gRPC's reconnect backoff
-        yield Relayed(a, b, relay)
+        a.start()
+        yield Delayed(a, b, line, pair.ns_a, max(ports - {PORT2}))
     finally:
-        if relay is not None:
-            relay.close()
-        a.stop()
-        b.stop()
+        for s in sidecars:
+            s.stop()
+        if line is not None:
+            line.close()
+        ip("-n", pair.ns_a, "link", "del", TUN_A, check=False)
+        ip("netns", "del", ns_b2, check=False)
+
+
+def tcp_rtts_ms(ns: str, addr: str) -> dict[int, list[float]]:
+    """The kernel's smoothed RTT of each established TCP connection from
+    namespace ``ns`` to ``addr`` (IPv4, or v4-mapped on gRPC's IPv6 sockets),
+    by remote port (``ss -ti``)."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", ns, "ss", "-tinH", "state", "established"],
+        check=True, capture_output=True, text=True, timeout=20,
+    ).stdout  # fmt: skip
+    peer = re.compile(rf"^\[?(?:::ffff:)?{re.escape(addr)}\]?:(\d+)$")
+    rtts: dict[int, list[float]] = {}
+    port = None
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and not line[0].isspace():  # Recv-Q Send-Q local peer
+            m = peer.match(fields[3])
+            port = int(m.group(1)) if m else None
+        elif port is not None and (rtt := re.search(r"\brtt:([\d.]+)/", line)):
+            rtts.setdefault(port, []).append(float(rtt.group(1)))
+            port = None
+    return rtts
+
+
+class RttSampler:
+    """Samples ``tcp_rtts_ms`` every ``interval_s`` on a thread while in its
+    ``with`` block (the data channel's connection lives only for its fetch)."""
+
+    def __init__(self, ns: str, addr: str, interval_s: float = 0.1) -> None:
+        self.rtts_ms: dict[int, list[float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ns, addr, interval_s))
+
+    def _run(self, ns: str, addr: str, interval_s: float) -> None:
+        while True:
+            for port, values in tcp_rtts_ms(ns, addr).items():
+                self.rtts_ms.setdefault(port, []).extend(values)
+            if self._stop.wait(interval_s):
+                return
+
+    def __enter__(self) -> RttSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
 
 
 def put_on(sidecar: Sidecar, seed: int, n: int) -> list[bytes]:
@@ -343,39 +409,58 @@ def test_packet_loss(pair: Pair, loss_percent: int) -> None:
     )
 
 
-def test_added_latency(relayed: Relayed) -> None:
-    keys = put_on(relayed.b, 30, PULL_BLOCKS)
-    others = put_on(relayed.b, 31, 64)
-    relayed.relay.delay_s = DELAY_S
+def test_added_latency(delayed: Delayed) -> None:
+    """200 ms of round-trip time (100 ms each way, on packets: see relay.py
+    ``DelayLine``): a load whose deadline is shorter than a round trip gives up
+    in time, and latency alone breaks nothing (lookups and the whole pull
+    succeed within generous deadlines). Proved to be on the path: B2's gRPC
+    port and its data channel's port each had a TCP connection opened across
+    the line, and the kernel's RTT estimate of A2's connections to both is at
+    least the added round trip. Not modelled: bandwidth limits, jitter,
+    reordering and loss (the other tests here)."""
+    keys = put_on(delayed.b, 30, PULL_BLOCKS)
+    others = put_on(delayed.b, 31, 64)
+    delayed.line.delay_s = DELAY_S
     try:
-        with StoreClient(str(relayed.a.socket), name="engine-a2") as client:
+        with StoreClient(str(delayed.a.socket), name="engine-a2") as client:
             short_lookups = wait_peer_reachable(client, others, 20.0)
             # A deadline shorter than a round trip: the load gives up in time.
             short_s = DELAY_S
             got, elapsed, wrong = timed_pull(client, keys, short_s)
             assert elapsed <= short_s + SLACK_S, f"load took {elapsed:.2f} s"
             assert wrong == 0
-            assert_a_clean(relayed.a, client, keys, got)
+            assert_a_clean(delayed.a, client, keys, got)
             # Latency alone breaks nothing: lookups find what the peer holds
             # and the whole pull arrives, within generous deadlines.
             hits, lookup_s = timed_lookup(client, others)
             assert lookup_s <= LOOKUP_TIMEOUT_S + SLACK_S, f"lookup took {lookup_s:.2f} s"
+            assert 2 * DELAY_S <= lookup_s, f"a lookup across the line took {lookup_s:.3f} s"
             assert hits == len(others)
             full_deadline_s = 10.0
-            full, full_s, wrong = timed_pull(client, keys, full_deadline_s)
+            with RttSampler(delayed.ns_a, ADDR_B2) as sampler:
+                full, full_s, wrong = timed_pull(client, keys, full_deadline_s)
+            rtts = sampler.rtts_ms
             assert full_s <= full_deadline_s + SLACK_S, f"load took {full_s:.2f} s"
             assert wrong == 0 and full == PULL_BLOCKS
-            assert_a_clean(relayed.a, client, keys, full)
+            assert_a_clean(delayed.a, client, keys, full)
     finally:
-        relayed.relay.delay_s = 0.0
-    assert relayed.relay.connections >= 2, "the peer traffic did not go through the relay"
-    assert_sender_released(relayed.b, keys, 4000)
+        delayed.line.delay_s = 0.0
+    grpc_conns = delayed.line.connections(PORT2)
+    data_conns = delayed.line.connections(delayed.data_port)
+    assert grpc_conns >= 1, "no connection to B2's gRPC port crossed the delay line"
+    assert data_conns >= 1, "no connection to B2's data channel crossed the delay line"
+    for port in (PORT2, delayed.data_port):
+        assert port in rtts, f"no connection to {ADDR_B2}:{port} seen during the pulls: {rtts}"
+        assert max(rtts[port]) >= 2000 * DELAY_S, f"TCP's RTT to port {port} (ms): {rtts}"
+    assert_sender_released(delayed.b, keys, 4000)
     print(
-        f"\n{1000 * DELAY_S:.0f} ms added each way: {short_lookups} lookups came back short "
-        f"before the peer was reachable; pull with deadline {short_s} s returned {got} "
-        f"verified blocks in {elapsed:.2f} s; lookup {lookup_s:.2f} s ({hits} hits); full "
-        f"pull of {PULL_BLOCKS} blocks in {full_s:.2f} s; relayed connections "
-        f"{relayed.relay.connections}"
+        f"\n{1000 * DELAY_S:.0f} ms added each way ({2000 * DELAY_S:.0f} ms RTT): "
+        f"{short_lookups} lookups came back short before the peer was reachable; pull with "
+        f"deadline {short_s} s returned {got} verified blocks in {elapsed:.2f} s; lookup "
+        f"{lookup_s:.2f} s ({hits} hits); full pull of {PULL_BLOCKS} blocks in {full_s:.2f} s; "
+        f"connections across the line: gRPC port {grpc_conns}, data port {data_conns}; "
+        f"kernel's smoothed RTT, most seen (ms): gRPC {max(rtts[PORT2])}, "
+        f"data {max(rtts[delayed.data_port])}"
     )
 
 
@@ -394,22 +479,24 @@ print(round(time.monotonic() - t0, 2))
 """
 
 
-def test_first_connect_over_slow_link(pair: Pair, relayed: Relayed) -> None:
+def test_first_connect_over_slow_link(pair: Pair, delayed: Delayed) -> None:
     """A new PeerClient (the sidecar's, with its channel options) in A's
-    namespace finds a peer's blocks with its first lookup across the slow link
-    (gRPC takes min_reconnect_backoff_ms as the shortest connect attempt: at
-    100 ms such a peer could never be connected)."""
-    put_on(relayed.b, 40, 64)
-    relayed.relay.delay_s = DELAY_S
+    namespace finds a peer's blocks with its first lookup across the 200 ms
+    RTT line (gRPC takes min_reconnect_backoff_ms as the shortest connect
+    attempt: at 100 ms such a peer could never be connected)."""
+    put_on(delayed.b, 40, 64)
+    before = delayed.line.connections(PORT2)
+    delayed.line.delay_s = DELAY_S
     try:
         out = subprocess.run(
             ["ip", "netns", "exec", pair.ns_a, sys.executable, "-c", FIRST_LOOKUP,
-             f"{ADDR_RELAY}:{PORT2}", TOKEN, "40"],
+             f"{ADDR_B2}:{PORT2}", TOKEN, "40"],
             capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)),
         )  # fmt: skip
     finally:
-        relayed.relay.delay_s = 0.0
+        delayed.line.delay_s = 0.0
     assert out.returncode == 0, out.stderr[-2000:]
+    assert delayed.line.connections(PORT2) > before, "the new client did not cross the line"
     answer, seconds = out.stdout.split()
     assert float(seconds) <= LOOKUP_TIMEOUT_S + SLACK_S
     assert answer == "64", f"first lookup answered {answer} after {seconds} s"
