@@ -83,6 +83,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
 from common import memcpy_gbps  # noqa: E402
+from switchdiag import oracle_switches, peak_offered_load, replica_jobs  # noqa: E402
 from switchdriver import Driver, scaled_layout  # noqa: E402
 from switchhosts import (  # noqa: E402
     CLEANUPS,
@@ -138,6 +139,7 @@ def real_run(
     duration_s: float,
     tmp: Path,
     nvme_bytes: int | None = None,
+    settings: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     wl = Workload()
     layout = scaled_layout(scale, wl)
@@ -159,6 +161,7 @@ def real_run(
                 # Off: kv_share's rule with an unreachable min_tokens, nothing streamed.
                 replicate_policy="headroom" if replication else "kv_share",
                 stream=replication,
+                settings=settings,
             )
             cars.append(car)
             CLEANUPS.append(car)
@@ -318,9 +321,48 @@ def real_run(
         "sidecar_counters": [{k: c.get(k, 0) for k in SIDECAR_COUNTERS} for c in counters],
         "cpu": cpu,
         "switch_log": st.switch_log,
+        "turn_log": st.turn_log,
+        "oracle": _oracle(st, bps / 8 if bps else None, layout.block_bytes),
         "wall_s": wall,
         "errors": st.errors[:10],
         "error_count": len(st.errors),
+    }
+
+
+ORACLE_WINDOWS_S = (0.25, 1.0, 4.0)  # at the run's scale: 8, 32 and 128 s at 1/32
+
+
+def _oracle(st: Any, link_bytes_per_s: float | None, block_bytes: int) -> dict[str, Any] | None:
+    """The run's turns replayed with a perfect sender (bench/switchdiag.py):
+    what any order of the link could have held at each switch, next to what
+    the sidecars held; and each uplink's peak offered load."""
+    if not link_bytes_per_s or not st.turn_log:
+        return None
+    oracle = oracle_switches(st.turn_log, link_bytes_per_s, block_bytes)
+    real = {(e["session"], e["t_s"]): e for e in st.switch_log}
+    pairs = [(o, real.get((o["session"], round(o["t_s"], 3)))) for o in oracle]
+    jobs = replica_jobs(st.turn_log, block_bytes)
+    return {
+        "switches": len(oracle),
+        **{
+            f"{k}_of_cached": v
+            for k, v in shares([o["oracle_class_of_cached"] for o in oracle]).items()
+            if k != "switches"
+        },
+        # Switches a perfect sender keeps warm that the sidecars did not, and the reverse.
+        "lost_by_sender": [
+            {**r, "oracle_held": o["oracle_held"]}
+            for o, r in pairs
+            if r is not None
+            and o["oracle_class_of_cached"] == "warm"
+            and r["class_of_cached"] != "warm"
+        ],
+        "not_warm_for_any_sender": [o for o in oracle if o["oracle_class_of_cached"] != "warm"],
+        "offered_bytes": {h: sum(j.nbytes for j in js) for h, js in jobs.items()},
+        "peak_offered_load": {
+            str(w): {h: peak_offered_load(js, w, link_bytes_per_s) for h, js in jobs.items()}
+            for w in ORACLE_WINDOWS_S
+        },
     }
 
 
@@ -402,7 +444,9 @@ def real_main(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-switch-") as tmp:
         for link, n, repl, policy in plan:
-            run = real_run(link, n, repl, policy, scale, duration, Path(tmp), args.nvme_bytes)
+            run = real_run(
+                link, n, repl, policy, scale, duration, Path(tmp), args.nvme_bytes, tuple(args.set)
+            )
             print(
                 f"{link} {n} sessions repl={repl} {policy}: {run['switches']} switches, "
                 f"warm {run['warm']}, cold {run['cold']}, errors {run['error_count']}, "
@@ -453,6 +497,7 @@ def real_main(args: argparse.Namespace) -> dict[str, Any]:
         "nvme_bytes_per_sidecar": scaled_bytes(NVME_BYTES_SCALE1, scale)
         if args.nvme_bytes is None
         else args.nvme_bytes,
+        "sidecar_settings": list(args.set),
         "runs": runs,
         "simulated_same_runs": sims,
         "simulated_same_runs_stream": sims_stream,
@@ -604,6 +649,13 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         default=None,
         help="NVMe tier of each sidecar (default 512 GiB x scale; 0: DRAM only, evictions drop)",
+    )
+    parser.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="a sidecar setting for every run (repeatable), e.g. stream_order=share",
     )
     parser.add_argument("--charts", metavar="DIR", help="write switch_*.png charts here")
     parser.add_argument("--out", metavar="FILE", help="also write the JSON here")

@@ -71,6 +71,9 @@ class RunStats:
     ttft_s: list[float] = field(default_factory=list)  # wait for a slot + import + prefill
     wait_s: list[float] = field(default_factory=list)  # arrival -> slot
     lookup_s: list[float] = field(default_factory=list)  # router: its lookups on both hosts
+    # One entry per turn (times from the run's start): when its blocks were
+    # stored and its push ended; switchdiag.oracle_switches replays it.
+    turn_log: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
 
@@ -297,6 +300,13 @@ class Driver:
         if new:
             session = name if self.stream else ""
             client.store(layout, keys[hits:], self.data[:new], session=session)  # prefill
+        entry: dict[str, Any] = {
+            "session": name,
+            "host": host,
+            "t_start": started - self.t0,
+            "prompt_blocks": len(keys),
+            "t_prompt": time.monotonic() - self.t0,  # the prompt's blocks are stored
+        }
         decode_s = wl.decode(rng)
         context = prompt + wl.output(rng)
         self.stats.ttft_s.append(waited_s + wl.prefill_s(prompt - reused) * self.scale)
@@ -312,6 +322,9 @@ class Driver:
         self.stats.slot_excess_s.append(max(0.0, time.monotonic() - hold_until))
         record = PushRecord(len(all_keys), context, time.monotonic())
         self.last_push[name] = record
+        entry.update(t_end=record.started - self.t0, blocks=len(all_keys), tokens=context)
+        self.stats.turn_log.append(entry)
+        record.log = entry
         pusher = threading.Thread(
             target=self._push, args=(host, name, all_keys, context, record), daemon=True
         )
@@ -345,6 +358,13 @@ class Driver:
         record.pushed = reply.pushed
         record.replicating = reply.replicating
         record.finished = time.monotonic()  # before the check below: it is not the push
+        if record.log is not None:
+            record.log.update(
+                t_done=record.finished - self.t0,
+                pushed=reply.pushed,
+                replicating=reply.replicating,
+                target=reply.replica_target,
+            )
         target = self.clients.get(reply.replica_target)
         if reply.replicating and target is not None:
             # What the target holds right after the push (before it can be

@@ -118,6 +118,7 @@ class Sidecar:
         replica_bytes: int,
         replicate_policy: str = "headroom",
         stream: bool = True,
+        settings: tuple[str, ...] = (),  # more KEY=VALUE for `serve --set`
     ) -> None:
         root.mkdir(parents=True)
         self.root, self.socket = root, root / "s.sock"
@@ -132,6 +133,7 @@ class Sidecar:
             "--set", f"replicate_policy={replicate_policy}",
             "--set", f"stream_replicas={str(stream).lower()}",
             "--set", "log_level=warning", "--set", "shutdown_grace_s=1",
+            *(arg for kv in settings for arg in ("--set", kv)),
         ]  # fmt: skip
         # `ip netns exec` execs the command: this pid is the sidecar's.
         self.proc = spawn_logged(cmd, root / "sidecar.log")

@@ -1,4 +1,5 @@
-"""The switch benchmark's diagnosis of a host switch (bench/switchdiag.py)."""
+"""The switch benchmark's diagnosis of a host switch, and the perfect-sender
+replay of a run's turns (bench/switchdiag.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from switchdiag import PushRecord, switch_cause
+from switchdiag import (
+    PushRecord,
+    oracle_switches,
+    peak_offered_load,
+    replica_jobs,
+    switch_cause,
+)
 
 BT = 128  # tokens per block
 MIN = 8192
@@ -46,3 +53,76 @@ def test_new_input_over_10_percent_is_not_the_store() -> None:
 )
 def test_the_first_reason_the_target_held_less(push: PushRecord | None, expected: str) -> None:
     assert cause(push, 10, 105) == expected
+
+
+# -- the perfect sender: 1-byte blocks on a link of 10 blocks/s --------------------------------
+
+LINK = 10.0
+
+
+def turn(session: str, host: str, start: float, prompt: int, end: float, blocks: int) -> dict:
+    """A turn whose prompt's blocks were stored at its start."""
+    return {
+        "session": session,
+        "host": host,
+        "t_start": start,
+        "prompt_blocks": prompt,
+        "t_prompt": start,
+        "t_end": end,
+        "blocks": blocks,
+    }
+
+
+def two_sessions_back_at(x_back: float, y_back: float) -> list[dict]:
+    """x and y each store 10 blocks at 0 and 10 more at 1 on A (40 blocks:
+    4 s of link), then resume on B."""
+    return [
+        turn("x", "A", 0.0, 10, 1.0, 20),
+        turn("y", "A", 0.0, 10, 1.0, 20),
+        turn("x", "B", x_back, 22, x_back + 1, 24),
+        turn("y", "B", y_back, 22, y_back + 1, 24),
+    ]
+
+
+def classes(turns: list[dict]) -> dict[str, str]:
+    return {o["session"]: o["oracle_class_of_cached"] for o in oracle_switches(turns, LINK, 1)}
+
+
+@pytest.mark.parametrize(
+    ("x_back", "y_back", "expected"),
+    [
+        (2.5, 3.0, {"x": "warm", "y": "partly_warm"}),  # x due first: x's 20 by 2.0
+        (3.0, 2.5, {"x": "partly_warm", "y": "warm"}),  # released together, y due first
+        (9.0, 9.5, {"x": "warm", "y": "warm"}),  # the link had time for both
+    ],
+)
+def test_the_oracle_sends_what_is_due_first(x_back: float, y_back: float, expected) -> None:
+    assert classes(two_sessions_back_at(x_back, y_back)) == expected
+
+
+def test_a_session_that_stays_does_not_hold_up_one_that_switches() -> None:
+    turns = [
+        turn("stay", "A", 0.0, 30, 0.1, 30),  # 30 blocks first, due never
+        turn("stay", "A", 5.0, 30, 6.0, 30),
+        turn("go", "A", 0.5, 10, 0.6, 10),
+        turn("go", "B", 2.0, 11, 3.0, 12),  # its 10 blocks need 1 s, behind 3 s of "stay"'s
+    ]
+    assert classes(turns) == {"go": "warm"}
+
+
+def test_blocks_the_host_computed_itself_count_and_only_the_delta_is_sent() -> None:
+    turns = [
+        turn("s", "A", 0.0, 10, 0.1, 10),
+        turn("s", "B", 2.0, 11, 2.1, 12),  # B got A's 10 and computed 2
+        turn("s", "A", 2.15, 12, 3.0, 14),  # back 0.05 s later: 1 of B's 2 blocks arrived
+    ]
+    jobs = replica_jobs(turns, 1)
+    assert [(j.lo, j.hi) for j in jobs["B"]] == [(10, 11), (11, 12)]
+    assert [o["oracle_held"] for o in oracle_switches(turns, LINK, 1)] == [10, 11]
+
+
+def test_the_peak_offered_load_is_the_busiest_window_over_the_link() -> None:
+    jobs = replica_jobs(two_sessions_back_at(9.0, 9.5), 1)["A"]
+    assert peak_offered_load(jobs, 1.0, LINK) == 4.0  # 40 blocks within 1 s, 10 carried
+    assert peak_offered_load(jobs, 0.5, LINK) == 4.0  # 20 within 0.5 s, 5 carried
+    assert peak_offered_load(jobs, 10.0, LINK) == pytest.approx(0.4)
