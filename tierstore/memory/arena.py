@@ -6,20 +6,24 @@ default, or a hugetlbfs / ``huge=`` tmpfs mount), owner-only. Engines
 ``attach`` to the same path. With CUDA the engine registers the mapping as
 pinned memory (see ``tierstore.client.cuda``); nothing here depends on it.
 
-Start-up and attach cost nothing per byte: the file is sized, not filled, and
-mapped without MAP_POPULATE. Memory is made ready in *units* of
-``UNIT_BYTES`` (2 MiB, or the huge page): ``ensure_ready`` reserves a unit's
+Creating and attaching cost nothing per byte: the file is sized, not
+filled, and mapped without MAP_POPULATE. Memory is made ready in *units* of
+``UNIT_BYTES`` (2 MiB, or the huge page): ``ensure_ready`` reserves a range's
 pages in the file (``posix_fallocate``: a full tmpfs is a refused slot, never
 a SIGBUS) and builds this process's page tables for it
-(``MADV_POPULATE_WRITE``), so the first copy into it runs at memcpy speed.
-The sidecar calls it before it hands out a slot and populates the rest in the
-background (``populate``); an engine calls it (page tables only) before its
-first copy into a unit. Transparent huge pages are asked for with
-``MADV_HUGEPAGE``; ``page_bytes`` / ``page_kind`` say what the kernel gives.
+(``MADV_POPULATE_WRITE``), one call per run of units, so the first copy into
+it runs at memcpy speed. The sidecar calls it before it hands out a slot (and
+for the arena's first units before it serves) and populates the rest in the
+background (``populate``, a unit at a time, from past the last range a first
+use prepared); an engine calls it (page tables only) before its first copy
+into a unit. Transparent huge pages are asked for with ``MADV_HUGEPAGE``;
+``page_bytes`` / ``page_kind`` say what the kernel gives.
 
-Thread-safe: ``ensure_ready`` serialises the preparation of a unit; the bytes
-are shared memory and the slot allocator and the tier decide who may touch
-which of them.
+Thread-safe: the lock guards only which units are ready or claimed; the
+system calls run outside it, so a first use never waits for the populator (a
+unit both prepare at once is prepared twice, harmlessly), and ``close``
+waits for those under way. The bytes are shared memory and the slot
+allocator and the tier decide who may touch which of them.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import os
 import re
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +101,17 @@ def _mem_available_bytes() -> int | None:
 _ARENA_NAME = re.compile(r"^tierstore-(?:[A-Za-z0-9_]+-)?(\d+)-[0-9a-f]{8}$")
 
 
+def _runs(units: list[int]) -> list[tuple[int, int]]:
+    """Ascending unit numbers as ``[first, end)`` runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for u in units:
+        if runs and runs[-1][1] == u:
+            runs[-1] = (runs[-1][0], u + 1)
+        else:
+            runs.append((u, u + 1))
+    return runs
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -154,8 +169,11 @@ class Arena:
         self.unit_bytes = max(UNIT_BYTES, self.page_bytes)
         self._units = -(-size_bytes // self.unit_bytes)
         self._ready = bytearray(self._units)  # 1: fallocated (owner) and in our page tables
+        self._claimed = bytearray(self._units)  # 1: ready, or a thread is preparing it
         self._ready_units = 0
-        self._unit_lock = threading.Lock()
+        self._next_unit = 0  # where the populator looks first (past what first uses took)
+        self._preparing = 0  # preparations running outside the lock (close waits for them)
+        self._unit_lock = threading.Condition(threading.Lock())
         self.buf = memoryview(self._map)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self._address = self.array.ctypes.data  # for madvise without the GIL
@@ -184,50 +202,99 @@ class Arena:
         """Make ``[offset, offset + nbytes)`` ready for copies at memory speed:
         its pages reserved in the file (creator only) and in this process's
         page tables. False if the file cannot hold them (a full tmpfs): the
-        range must not be written then. Cheap once ready (a bytearray scan)."""
+        range must not be written then. Cheap once ready (a bytearray scan).
+
+        Never waits for the populator: a unit it is preparing right now is
+        prepared here too (both calls are idempotent), so a put is not paced
+        by a niced thread on a busy host; the populator then moves on past
+        this range instead of walking the same units behind the caller."""
         if nbytes <= 0:
             return True
         first, last = offset // self.unit_bytes, (offset + nbytes - 1) // self.unit_bytes
         if self._ready.find(0, first, last + 1) < 0:
             return True
-        return all(self._prepare(u) for u in range(first, last + 1))
-
-    def _prepare(self, unit: int) -> bool:
         with self._unit_lock:
-            if self._ready[unit]:
-                return True
             if self._fd < 0:
                 return False
-            start = unit * self.unit_bytes
-            length = min(self.unit_bytes, self.size_bytes - start)
-            if self.owner:
-                try:
-                    os.posix_fallocate(self._fd, start, length)
-                except OSError as e:
-                    log.warning(
-                        "arena %s: cannot reserve %d bytes at %d: %s", self.path, length, start, e
-                    )
-                    return False
-            # Page tables now, without touching the bytes (Linux 5.14+; an
-            # older kernel refuses it, and first copies fault page by page).
-            if _madvise is not None:
-                _madvise(self._address + start, length, MADV_POPULATE_WRITE)
-            else:
-                with contextlib.suppress(OSError, ValueError):
-                    self._map.madvise(MADV_POPULATE_WRITE, start, length)
-            self._ready[unit] = 1
-            self._ready_units += 1
-            return True
+            todo = [u for u in range(first, last + 1) if not self._ready[u]]
+            for u in todo:
+                self._claimed[u] = 1
+            self._next_unit = max(self._next_unit, last + 1)
+            self._preparing += 1
+        ok = False
+        try:
+            ok = all(self._prepare(a, b) for a, b in _runs(todo))
+        finally:
+            self._done_preparing(todo if not ok else ())
+        return ok
 
     def populate(self, stop: Callable[[], bool] | None = None) -> bool:
-        """Prepare every unit in order (the sidecar's background populator, or
-        ``dram_populate = "upfront"``); returns False if stopped or the file
-        could not hold a unit (then slots there are refused as they come)."""
-        for unit in range(self._units):
+        """Prepare every unit (the sidecar's background populator, or
+        ``dram_populate = "upfront"``), one unit per step, in order from past
+        the last range a first use prepared, then the units it skipped;
+        returns False if stopped or the file could not hold a unit (then
+        slots there are refused as they come)."""
+        while True:
             if stop is not None and stop():
                 return False
-            if not self._ready[unit] and not self._prepare(unit):
+            with self._unit_lock:
+                if self._fd < 0:
+                    return False
+                unit = self._claimed.find(0, self._next_unit)
+                if unit < 0:
+                    unit = self._claimed.find(0)
+                if unit < 0:  # every unit ready, or being prepared by a first use
+                    return True
+                self._claimed[unit] = 1
+                self._next_unit = unit + 1
+                self._preparing += 1
+            ok = False
+            try:
+                ok = self._prepare(unit, unit + 1)
+            finally:
+                self._done_preparing([unit] if not ok else ())
+            if not ok:
                 return False
+
+    def _done_preparing(self, failed: Iterable[int]) -> None:
+        """End a preparation; units of ``failed`` that are still not ready
+        are unclaimed (tried again when a slot there is wanted)."""
+        with self._unit_lock:
+            for u in failed:
+                if not self._ready[u]:
+                    self._claimed[u] = 0
+            self._preparing -= 1
+            if not self._preparing:
+                self._unit_lock.notify_all()
+
+    def _prepare(self, first: int, end: int) -> bool:
+        """Prepare units ``[first, end)`` in one call each (no lock held: the
+        kernel serialises what it must; ``close`` waits for this)."""
+        start = first * self.unit_bytes
+        length = min(end * self.unit_bytes, self.size_bytes) - start
+        fd = self._fd
+        if fd < 0:  # closing
+            return False
+        if self.owner:
+            try:
+                os.posix_fallocate(fd, start, length)
+            except OSError as e:
+                log.warning(
+                    "arena %s: cannot reserve %d bytes at %d: %s", self.path, length, start, e
+                )
+                return False
+        # Page tables now, without touching the bytes (Linux 5.14+; an
+        # older kernel refuses it, and first copies fault page by page).
+        if _madvise is not None:
+            _madvise(self._address + start, length, MADV_POPULATE_WRITE)
+        else:
+            with contextlib.suppress(OSError, ValueError):
+                self._map.madvise(MADV_POPULATE_WRITE, start, length)
+        with self._unit_lock:
+            for u in range(first, end):
+                if not self._ready[u]:
+                    self._ready[u] = 1
+                    self._ready_units += 1
         return True
 
     @classmethod
@@ -326,6 +393,10 @@ class Arena:
             if self._fd < 0:
                 return
             fd, self._fd = self._fd, -1
+            # Preparations under way finish first: their fd and addresses
+            # must not be closed or unmapped (and reused) beneath them.
+            while self._preparing:
+                self._unit_lock.wait()
         del self.array
         self.buf.release()
         try:

@@ -11,7 +11,8 @@ If building any part fails, the parts built here so far are closed in
 reverse (threads stopped, the arena file removed; not the tiers the caller
 passed) and the error propagates. Also provides
 ``populate_in_background``, which logs the arena and, unless it is
-populated already, starts its populator thread.
+populated already, starts its populator thread and makes the arena's first
+``READY_AT_START_BYTES`` ready before the store serves.
 
 Every collaborator gets what it works with explicitly (tiers, ledger,
 policies, the digest function, the counters): nothing here, or in what it
@@ -58,6 +59,11 @@ from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
 POPULATOR_NICE = 10  # the arena populator thread's niceness (Linux: per thread)
+# Prepared before the store serves, so that the first puts land in ready
+# memory (a 50k-token turn of an 8B model is about 240 MB): preparing runs at
+# 1.5-3.5 GB/s here, a few times slower than the copy it precedes. A fixed
+# size, so start-up does not grow with dram_bytes.
+READY_AT_START_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,18 +239,27 @@ def _build_demoter(
 
 def populate_in_background(arena: Arena, workers: Workers, stop: Callable[[], bool]) -> None:
     """Log the arena; unless it is populated already, populate it on the
-    "tierstore-arena-populator" thread until done or ``stop()`` is true."""
+    "tierstore-arena-populator" thread until done or ``stop()`` is true, and
+    prepare its first ``READY_AT_START_BYTES`` (the slots handed out first)
+    on this thread before returning, while that thread starts on the rest."""
+    state = "populated"
+    if arena.populated_bytes < arena.size_bytes:
+        workers.start("tierstore-arena-populator", lambda: _populate(arena, stop))
+        t0 = time.monotonic()
+        head = min(READY_AT_START_BYTES, arena.size_bytes)
+        arena.ensure_ready(0, head)  # a unit the tmpfs refuses is refused again on use
+        state = (
+            f"first {head >> 20} MiB ready in {time.monotonic() - t0:.2f}s, "
+            "the rest populating in the background"
+        )
     log.info(
         "DRAM arena %s: %.2f GiB, pages of %d KiB (%s), %s",
         arena.path,
         arena.size_bytes / 2**30,
         arena.page_bytes >> 10,
         arena.page_kind,
-        "populated" if arena.populated_bytes >= arena.size_bytes
-        else "populating in the background",
-    )  # fmt: skip
-    if arena.populated_bytes < arena.size_bytes:
-        workers.start("tierstore-arena-populator", lambda: _populate(arena, stop))
+        state,
+    )
 
 
 def _populate(arena: Arena, stop: Callable[[], bool]) -> None:

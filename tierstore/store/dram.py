@@ -107,9 +107,13 @@ class DramTier:
                 out.append(res)
                 if res[0] == ReserveStatus.FULL:
                     break
-        # A fresh unit of the arena gets its pages now (outside the lock: a
-        # few milliseconds); one the tmpfs cannot hold is never handed out:
-        # that slot and the ones reserved after it are given back, FULL.
+        # Fresh units of the arena get their pages now, outside the lock, one
+        # preparation per run of adjacent slots (a batch into fresh segments
+        # is one run: the populator moves on past it, not through it).
+        if self._ready_in_runs(out, nbytes):
+            return out
+        # Some range the tmpfs cannot hold: it is never handed out. The
+        # first slot there and the ones reserved after it are given back, FULL.
         for i, (status, entry) in enumerate(out):
             if status != ReserveStatus.OK or entry is None:
                 continue
@@ -121,6 +125,23 @@ class DramTier:
                                 self._free(later)
                 return [*out[:i], (ReserveStatus.FULL, None)]
         return out
+
+    def _ready_in_runs(
+        self, out: list[tuple[ReserveStatus, DramEntry | None]], nbytes: int
+    ) -> bool:
+        """``arena.ensure_ready`` over each run of OK slots that follow each
+        other in the arena (a segment's unused tail may lie between two);
+        False when any run could not be made ready."""
+        slot = self.allocator.slot_bytes(nbytes)
+        runs: list[list[int]] = []  # [start, end) byte ranges
+        for status, entry in out:
+            if status != ReserveStatus.OK or entry is None:
+                continue
+            if runs and 0 <= entry.offset - runs[-1][1] < slot:
+                runs[-1][1] = entry.offset + slot
+            else:
+                runs.append([entry.offset, entry.offset + slot])
+        return all(self.arena.ensure_ready(start, end - start) for start, end in runs)
 
     def _reserve(
         self, key: BlockKey, layout_fp: bytes, nbytes: int, owner: int
