@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import blake3
 import numpy as np
@@ -104,7 +104,7 @@ def raw_stream(
                     zeros[:] = 0  # what is checked below is what arrived
                     conn.sendall(b"g")
                     t0 = time.perf_counter()
-                    got, checks = 0, []
+                    got, checks = 0, list[Future[bytes]]()
                     while got < nbytes:
                         n = conn.recv_into(view[got : got + PIECE_BYTES])
                         if n == 0:

@@ -224,11 +224,14 @@ def cold_round(rig: Rig, m: int, flush: CacheFlush) -> None:
     def release(_: list[list[BlockKey]]) -> None:
         found["release"] = store.release_owner(OWNER)[1]
 
-    for name, fn in (("lookup", lookups), ("index_probe", probes)):
+    Op = Callable[[list[list[BlockKey]]], None]
+    first: list[tuple[str, Op]] = [("lookup", lookups), ("index_probe", probes)]
+    for name, fn in first:
         rig.keep(f"cold_{name}_us", timed_cold(flush, ids, fn), m)
     index.clear()
     found["probe"] = sum(map(sum, rows))
-    for name, fn in (("acquire", acquires), ("release", release)):
+    then: list[tuple[str, Op]] = [("acquire", acquires), ("release", release)]
+    for name, fn in then:
         rig.keep(f"cold_{name}_us", timed_cold(flush, ids, fn), m)
     assert set(found.values()) == {m}, (found, m)
 
