@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
 REPO = Path(__file__).resolve().parents[2]
+BLOCK_TOKENS = 128  # vLLM's CPU block size: the connector's block
 
 
 @pytest.mark.vllm
@@ -30,6 +31,14 @@ def test_vllm_demo_resumes_warm_on_host_b_with_equal_outputs() -> None:
     assert result["replica_bytes_on_b"] > 0  # A pushed the session to B after its turns
     # B reused at least turn 2's prompt (its full blocks), all from A's replica:
     # the switch prompt is that prompt, its 16 output tokens and 64 new ones.
-    assert result["reused_tokens"] >= (result["switch_prompt_tokens"] - 80) // 128 * 128
+    bt = BLOCK_TOKENS
+    assert result["reused_tokens"] >= (result["switch_prompt_tokens"] - 80) // bt * bt
+    # B's store served every reused block and fetched none of them from A at
+    # load time (the warm engine has include_peers, so it could have); A's
+    # push had brought at least as many blocks.
+    warm = result["warm_blocks_on_b"]
+    assert warm["fetched_from_peer"] == 0, warm
+    assert warm["pinned"] * bt == result["reused_tokens"], warm
+    assert result["replicas_imported_on_b"] >= warm["pinned"], result["replicas_imported_on_b"]
     tmp_after = {p.name for p in Path(tempfile.gettempdir()).glob("tierstore-demo-*")}
     assert tmp_after <= tmp_before

@@ -6,9 +6,11 @@ downloaded) through ``TierstoreConnector``: two sidecars in a group ("host
 A", "host B"), two turns of a conversation on an engine on host A (each turn
 ends with a replica push to B), then the session moves to host B, where a
 fresh engine without the connector gives the cold time to first token and a
-fresh engine with it the warm one. It prints both, the tokens reused, and
-whether the greedy outputs are equal. Three engine starts (20-40 s each
-here) dominate its run time; the HF demo stays the default.
+fresh engine with it the warm one. It prints both, the tokens reused,
+the blocks B's store served the warm engine (and how many of them it
+fetched from A at load time), and whether the greedy outputs are equal.
+Three engine starts (20-40 s each here) dominate its run time; the HF demo
+stays the default.
 
 Runs in the foreground; the sidecars and engines are child processes,
 stopped (and their files removed) at the end, on error and on Ctrl-C.
@@ -48,6 +50,20 @@ def _wait_for_replica(socket: Path, deadline_s: float) -> int:
             time.sleep(0.2)
 
 
+def _served_on(socket: Path) -> dict[str, int]:
+    """What a sidecar has served so far: blocks pinned for engines (DRAM
+    hits: every block a load gets passes through a pin, wherever it was
+    found), blocks fetched from a peer, and replica blocks imported."""
+    with StoreClient(str(socket)) as c:
+        stat = c.stat()
+    dram = next(t for t in stat.tiers if t.name == "dram")
+    return {
+        "pinned": int(dram.hits),
+        "fetched_from_peer": int(stat.counters.get("peer_fetched_blocks", 0)),
+        "replicas_imported": int(stat.counters.get("peer_replicas_imported", 0)),
+    }
+
+
 def run(tokens: int, keep: bool = False, quiet: bool = False) -> dict[str, Any]:
     rng = random.Random(7)
     first = [rng.randrange(1, 1000) for _ in range(tokens // 2)]
@@ -75,8 +91,16 @@ def run(tokens: int, keep: bool = False, quiet: bool = False) -> dict[str, Any]:
             (cold,), result["cold_ttft_s"] = cold_engine.generate([history], NEW_TOKENS)
         _say(quiet, "host B, warm: a vLLM engine with TierstoreConnector")
         warm_cfg = kv_transfer_config(host_b.socket, include_peers=True)
+        before = _served_on(host_b.socket)
         with VllmEngine(model, warm_cfg, log_path=root / "b-warm.log") as warm_engine:
             (warm,), result["warm_ttft_s"] = warm_engine.generate([history], NEW_TOKENS)
+        after = _served_on(host_b.socket)
+        # The warm engine's load, by where B found it (include_peers lets B
+        # fetch what it lacks from A on the spot; the rest was already on B).
+        result["warm_blocks_on_b"] = {
+            k: after[k] - before[k] for k in ("pinned", "fetched_from_peer")
+        }
+        result["replicas_imported_on_b"] = after["replicas_imported"]
         result["reused_tokens"] = warm.num_cached_tokens
         result["outputs_equal"] = warm.token_ids == cold.token_ids
         result["speedup"] = result["cold_ttft_s"] / max(result["warm_ttft_s"], 1e-9)
@@ -104,6 +128,8 @@ def format_result(r: dict[str, Any]) -> str:
         "                      prefill + 16 tokens",
         f"  cold (no store)      {r['cold_ttft_s']:8.2f} s",
         f"  warm (tierstore)     {r['warm_ttft_s']:8.2f} s   ({r['reused_tokens']} tokens reused)",
+        f"  blocks B served it   {r['warm_blocks_on_b']['pinned']}, of which "
+        f"{r['warm_blocks_on_b']['fetched_from_peer']} fetched from A at load time",
         f"  speedup              {r['speedup']:8.1f} x",
         f"  outputs equal to the cold run: {'yes' if r['outputs_equal'] else 'NO'}",
     ]
