@@ -12,16 +12,24 @@ in its scheduler process and one in each worker:
 
 - **scheduler** (``vllm_plan.Planner``): ``get_num_new_matched_tokens``
   asks the sidecar (fast-path lookup; peers too with ``include_peers``) how
-  much of the request's prefix it holds beyond vLLM's own prefix cache;
+  much of the request's prefix it holds beyond vLLM's own prefix cache, and
+  where: a prefix not all in DRAM is loaded in the background (``(n,
+  True)``, vLLM's async load; ``async_loads``), and a lookup that asks
+  peers or the bucket and has not answered within ``lookup_budget_s``
+  answers None (vLLM asks again next step);
   ``update_state_after_alloc`` and ``build_connector_meta`` plan this
-  step's loads and saves; ``request_finished`` ends the turn
+  step's loads and saves; ``update_connector_output`` learns which
+  background loads ended and which blocks failed; ``request_finished`` ends the turn
   (``StoreClient.end_turn``: the sidecar pushes a long turn's blocks to the
   session's spill host). The session is ``kv_transfer_params["session"]``,
   else vLLM's ``session_id``, else the request id.
 - **worker** (``vllm_worker.ConnectorWorker``): ``start_load_kv`` pins the
   planned blocks in the sidecar's arena and copies them into vLLM's pages,
   one copy per block and layer (on CUDA on a side stream, waited for per
-  layer in ``wait_for_layer_load``); ``bind_connector_metadata`` reserves
+  layer in ``wait_for_layer_load``), or hands a background load to the
+  loader thread (``vllm_loader``), whose ended loads ``get_finished``
+  reports (a load not done within ``async_load_timeout_s`` is reported
+  with its blocks failed); ``bind_connector_metadata`` reserves
   slots for the step's new full blocks, ``save_kv_layer`` copies each layer
   out as soon as its attention has written it, ``wait_for_save`` commits
   (one control call; the bytes are in place by then, so vLLM may reuse the
@@ -43,9 +51,12 @@ vLLM calls the connector from.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -61,11 +72,12 @@ from tierstore.engines.vllm_layout import (
     request_refusal,
     request_salt,
 )
-from tierstore.engines.vllm_link import StoreLink
+from tierstore.engines.vllm_link import BudgetedCalls, StoreLink
 from tierstore.engines.vllm_plan import EndTurn, LoadSpec, Planner, SaveSpec
 from tierstore.engines.vllm_worker import ConnectorWorker, PageLayoutError
 from tierstore.errors import TierstoreError
 from tierstore.keys import BlockKey, KVLayout
+from tierstore.tiers import TierName
 
 if TYPE_CHECKING:
     import torch
@@ -116,8 +128,19 @@ class TierstoreConnector(KVConnectorBase_V1):
         name = "vllm-scheduler" if role == KVConnectorRole.SCHEDULER else "vllm-worker"
         self.link = StoreLink(self.settings, name)
         self.planner = Planner(
-            self.layouts, self._lookup, lambda r: request_salt(self.settings, r), session_of
+            self.layouts,
+            self._lookup,
+            lambda r: request_salt(self.settings, r),
+            session_of,
+            async_loads=self.settings.async_loads,
         )
+        # Lookups that ask peers or the bucket run off the scheduler's thread.
+        self._slow_lookups: BudgetedCalls[tuple[TierName, ...]] | None = None
+        if role == KVConnectorRole.SCHEDULER and self.settings.include_peers:
+            self._slow_lookups = BudgetedCalls(
+                self.settings.lookup_budget_s, self.settings.call_timeout_s
+            )
+        self._stats_written: dict[str, Any] | None = None
         self.worker: ConnectorWorker | None = None
         # Connect now, not in the first request's time to first token (attach,
         # arena mapping); a sidecar that is not there only starts the retry clock.
@@ -137,15 +160,21 @@ class TierstoreConnector(KVConnectorBase_V1):
 
     # ==============================  scheduler side  ==============================
 
-    def _lookup(self, layout: KVLayout, keys: list[BlockKey]) -> int:
+    def _lookup(self, layout: KVLayout, keys: list[BlockKey]) -> Sequence[TierName] | None:
         client = self.link.client()
         if client is None:
-            return 0
+            return ()
         try:
-            return client.lookup(layout, keys, include_peers=self.settings.include_peers).num_hits
+            if self._slow_lookups is None:
+                return client.lookup(layout, keys).tiers
+            # Keys chain: the last one and the count name the prefix asked about.
+            ask = (layout.fingerprint, keys[-1], len(keys))
+            return self._slow_lookups.ask(
+                ask, lambda: client.lookup(layout, keys, include_peers=True).tiers
+            )
         except TierstoreError as e:
             self.link.failed(e)
-            return 0
+            return ()
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -156,7 +185,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         if reason is not None:
             self._refuse(f"request: {reason}", f"request {request.request_id} not served")
             return 0, False
-        return self.planner.matched_tokens(request, num_computed_tokens), False
+        return self.planner.match(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.disabled is None and num_external_tokens > 0:
@@ -166,11 +195,38 @@ class TierstoreConnector(KVConnectorBase_V1):
         if self.disabled is not None:
             return TierstoreConnectorMetadata()
         loads, saves = self.planner.build(scheduler_output)
+        self._write_stats()
         return TierstoreConnectorMetadata(loads, saves)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        if self.disabled is None and connector_output.invalid_block_ids:
+        if self.disabled is not None:
+            return
+        if connector_output.invalid_block_ids:
             self.planner.load_failed(set(connector_output.invalid_block_ids))
+        if connector_output.finished_recving:
+            self.planner.loads_done(set(connector_output.finished_recving))
+        self._write_stats()
+
+    def stats(self) -> dict[str, Any]:
+        """The scheduler side's counters (``stats_path`` holds the latest)."""
+        return {
+            "plan": asdict(self.planner.counters),
+            "link": asdict(self.link.counters),
+            "refusals": dict(self.refusals),
+        }
+
+    def _write_stats(self) -> None:
+        """Rewrite ``stats_path`` when a counter changed (at most twice a step)."""
+        if not self.settings.stats_path:
+            return
+        stats = self.stats()
+        if stats == self._stats_written:
+            return
+        tmp = f"{self.settings.stats_path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(stats, f)
+        os.replace(tmp, self.settings.stats_path)
+        self._stats_written = stats
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -227,11 +283,25 @@ class TierstoreConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.end_step()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose background loads ended (their failed blocks come
+        from ``get_block_ids_with_load_errors`` in the same step)."""
+        if self.worker is None:
+            return None, None
+        return None, self.worker.finished_loads() or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
 
     def shutdown(self) -> None:
         if self.disabled is None:
             if self.worker is not None:
-                log.info("tierstore connector worker: %s", self.worker.counters)
+                self.worker.close()
+                log.info(
+                    "tierstore connector worker: %s %s",
+                    self.worker.counters,
+                    self.worker.loader_counters,
+                )
+            if self._slow_lookups is not None:
+                self._slow_lookups.close()
             self.link.close()

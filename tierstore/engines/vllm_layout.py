@@ -47,6 +47,14 @@ class ConnectorSettings:
     socket_path: str = ""  # the sidecar's Unix socket; "" = tierstore's config default
     include_peers: bool = False  # lookups and loads also ask the group's other sidecars
     load_deadline_s: float = 5.0  # one load's deadline for fetches from a peer
+    # Prefixes not all in DRAM (NVMe, a peer, the bucket) load in the background
+    # (vLLM's async loads): the request waits, the others keep running.
+    async_loads: bool = True
+    async_load_timeout_s: float = 30.0  # a background load not done by then: recompute
+    # A lookup that asks peers or the bucket and has not answered within this
+    # is asked again at vLLM's next step (the scheduler does not wait for it).
+    lookup_budget_s: float = 0.005
+    stats_path: str = ""  # the scheduler's counters, as JSON, rewritten when they change
     connect_timeout_s: float = 2.0  # a sidecar that does not answer in time: run cold
     call_timeout_s: float = 10.0  # any one control call
     reconnect_s: float = 5.0  # after the sidecar failed, try it again this often
@@ -64,7 +72,14 @@ class ConnectorSettings:
                 f"unknown TierstoreConnector settings {unknown}; known: {sorted(known)}"
             )
         settings = cls(**extra)
-        for name in ("load_deadline_s", "connect_timeout_s", "call_timeout_s", "reconnect_s"):
+        for name in (
+            "load_deadline_s",
+            "async_load_timeout_s",
+            "lookup_budget_s",
+            "connect_timeout_s",
+            "call_timeout_s",
+            "reconnect_s",
+        ):
             if not getattr(settings, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(settings, name)!r}")
         return settings

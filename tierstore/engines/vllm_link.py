@@ -7,8 +7,14 @@ after an error, and the link tries again at most every ``reconnect_s``
 serving cold and never waits on it for longer than one timeout. The state
 changes are logged once each (down, up again), never per call.
 
+Also ``BudgetedCalls``: a slow call (a lookup that asks peers or the
+bucket) runs on one background thread; ``ask`` waits for it at most
+``budget_s`` and otherwise answers None, to be asked again (vLLM's next
+step), so that the scheduler never waits on the network.
+
 Runs in vLLM's scheduler and worker processes; one link per connector
-instance, used from the thread that calls the connector.
+instance, used from the thread that calls the connector (``BudgetedCalls``'s
+calls on its own thread "tierstore-vllm-lookup").
 """
 
 from __future__ import annotations
@@ -16,13 +22,19 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from tierstore.client import StoreClient
 from tierstore.engines.vllm_layout import ConnectorSettings
 from tierstore.errors import TierstoreError
 
 log = logging.getLogger("tierstore.engines.vllm")
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -96,3 +108,49 @@ class StoreLink:
         client, self._client = self._client, None
         if client is not None:
             client.close()
+
+
+class BudgetedCalls(Generic[T]):
+    """See the module docstring. ``ask(key, call)`` starts ``call`` once per
+    ``key`` and returns its result (or raises its error) when it is done
+    within ``budget_s`` of this ask, else None; a later ask with the same key
+    collects it. Calls nobody asked for again are dropped after
+    ``forget_s``. Not thread-safe: one caller thread."""
+
+    def __init__(self, budget_s: float, forget_s: float) -> None:
+        self.budget_s = budget_s
+        self.forget_s = forget_s
+        self.late = 0  # asks answered None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierstore-vllm-lookup")
+        self._pending: dict[Hashable, tuple[Future[T], float]] = {}
+
+    def ask(self, key: Hashable, call: Callable[[], T]) -> T | None:
+        now = time.monotonic()
+        entry = self._pending.get(key)
+        if entry is None:
+            entry = (self._pool.submit(call), now)
+            self._pending[key] = entry
+        future = entry[0]
+        try:
+            result = future.result(timeout=self.budget_s)
+        except FutureTimeout:
+            self.late += 1
+            self._forget_old(now)
+            return None
+        finally:
+            if future.done():
+                self._pending.pop(key, None)
+        return result
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _forget_old(self, now: float) -> None:
+        for key, (future, started) in list(self._pending.items()):
+            if now - started > self.forget_s:
+                future.cancel()
+                del self._pending[key]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

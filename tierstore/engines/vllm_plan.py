@@ -7,17 +7,27 @@ Provides:
   connector's metadata.
 - ``EndTurn``: what ``request_finished`` tells the sidecar.
 - ``Planner``: the per-request state behind ``get_num_new_matched_tokens``
-  (``matched_tokens``), ``update_state_after_alloc`` (``after_alloc``),
-  ``build_connector_meta`` (``build``) and ``request_finished``
-  (``finished``). It asks the store only through the ``lookup`` callable it
-  is given (the longest stored prefix of some keys), so it is tested
-  without a sidecar.
+  (``match``), ``update_state_after_alloc`` (``after_alloc``),
+  ``build_connector_meta`` (``build``), ``update_connector_output``
+  (``loads_done``, ``load_failed``) and ``request_finished`` (``finished``).
+  It asks the store only through the ``lookup`` callable it is given (the
+  tiers of the longest stored prefix of some keys), so it is tested without
+  a sidecar.
+- ``PlanCounters``: what the planner decided (exported by the connector).
 
 Rules: keys chain over the request's token ids (prompt, then the tokens it
 generated) in full blocks of the layout's ``block_tokens``; a match never
 covers the request's last token (vLLM must compute one); a block is saved
 once it is full and its KV was computed (this step or before), unless the
 store is known to hold it; loaded blocks are never saved again.
+
+Background loads (vLLM's async loads, with ``async_loads``): a match whose
+blocks are not all in DRAM (NVMe, a peer, the bucket) is loaded by the
+worker's loader thread while the engine keeps running other requests; the
+request waits in vLLM's WAITING_FOR_REMOTE_KVS until the worker reports it
+through ``get_finished``. A match that is all in DRAM is loaded in the step
+(a DRAM copy is faster than a step's wait). A request whose load failed is
+never matched again: it is recomputed, not retried.
 
 Runs in vLLM's scheduler process, on the scheduler's thread (not thread-safe).
 """
@@ -29,9 +39,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tierstore.keys import BlockKey, KVLayout, chain_keys
+from tierstore.tiers import TierName
 
-Lookup = Callable[[KVLayout, list[BlockKey]], int]
-"""Blocks of the longest prefix of ``keys`` the store holds (0 on any failure)."""
+Lookup = Callable[[KVLayout, list[BlockKey]], Sequence[TierName] | None]
+"""Where each block of the longest prefix of ``keys`` the store holds is
+(empty on any failure); None while the answer is not known yet (peers or the
+bucket are slow to answer): vLLM asks again at its next step."""
+
+IN_STEP_TIERS = frozenset({TierName.HBM, TierName.DRAM})
+"""Tiers a load is copied from inside the step (no background load)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +56,7 @@ class LoadSpec:
     salt: str
     keys: tuple[tuple[BlockKey, ...], ...]  # [tp_rank][i]
     block_ids: tuple[int, ...]  # vLLM's block of keys[r][i]
+    background: bool = False  # the worker's loader thread loads it; see get_finished
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +84,22 @@ class _Tracked:
     stored_blocks: int = 0  # prefix the store holds (found by lookup, or saved)
     local_tokens: int = 0  # vLLM's own prefix-cache hit at the last match
     load: LoadSpec | None = None
+    background: bool = False  # the last match is loaded in the background
+    load_failed: bool = False  # a load of it failed: recompute, never match again
+
+
+@dataclass(slots=True)
+class PlanCounters:
+    """What the scheduler side decided, since the engine started."""
+
+    lookups_pending: int = 0  # matches answered None (the store's answer was late)
+    step_loads: int = 0  # loads copied inside a step (DRAM)
+    background_loads: int = 0  # loads run by the worker's loader thread
+    background_loads_done: int = 0  # ... reported through get_finished
+    load_failed_blocks: int = 0  # blocks vLLM was told to recompute
+    failed_loads: int = 0  # requests with such blocks
+    steps_while_loading: int = 0  # steps that computed tokens while a background load ran
+    tokens_while_loading: int = 0  # the tokens those steps computed
 
 
 class Planner:
@@ -78,8 +111,13 @@ class Planner:
         lookup: Lookup,
         salt_of: Callable[[Any], str],
         session_of: Callable[[Any], str],
+        async_loads: bool = False,
     ) -> None:
         self.layouts = tuple(layouts)
+        self.async_loads = async_loads
+        self.counters = PlanCounters()
+        self._background: list[LoadSpec] = []  # planned, not yet sent to the workers
+        self._loading: set[str] = set()  # sent, not yet reported done
         self.block_tokens = self.layouts[0].block_tokens
         self._lookup = lookup
         self._salt_of = salt_of
@@ -114,17 +152,33 @@ class Planner:
 
     # -- get_num_new_matched_tokens ----------------------------------------------------
 
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` (vLLM's own, block-aligned
-        hit) that the store can supply; never the request's last token."""
+    def match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: tokens beyond ``num_computed_tokens``
+        (vLLM's own, block-aligned hit) that the store can supply, never the
+        request's last token (None: ask again next step), and whether they
+        are loaded in the background."""
         t = self._track(request)
+        if t.load_failed:
+            return 0, False
         max_blocks = (request.num_tokens - 1) // self.block_tokens
         self._keys_upto(t, max_blocks)
         keys = t.keys[0][:max_blocks]
-        hits = self._lookup(self.layouts_for(t.salt)[0], keys) if keys else 0
-        t.stored_blocks = hits
+        tiers = self._lookup(self.layouts_for(t.salt)[0], keys) if keys else ()
+        if tiers is None:
+            self.counters.lookups_pending += 1
+            return None, False
+        t.stored_blocks = len(tiers)
         t.local_tokens = num_computed_tokens
-        return max(0, hits * self.block_tokens - num_computed_tokens)
+        tokens = max(0, len(tiers) * self.block_tokens - num_computed_tokens)
+        beyond = tiers[num_computed_tokens // self.block_tokens :]
+        t.background = (
+            self.async_loads and tokens > 0 and any(x not in IN_STEP_TIERS for x in beyond)
+        )
+        return tokens, t.background
+
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int | None:
+        """The tokens of ``match`` alone."""
+        return self.match(request, num_computed_tokens)[0]
 
     # -- update_state_after_alloc --------------------------------------------------------
 
@@ -138,16 +192,28 @@ class Planner:
         end = start + num_external // self.block_tokens
         ids = tuple(block_ids[start:end])
         keys = tuple(tuple(chain[start:end]) for chain in t.keys)
-        t.load = LoadSpec(request.request_id, t.salt, keys, ids)
+        spec = LoadSpec(request.request_id, t.salt, keys, ids, t.background)
+        # A failed load is matched to these blocks before the request runs.
+        t.block_ids = list(block_ids)
+        if t.background:  # the request waits: it is not in this step's output
+            self._background.append(spec)
+            self.counters.background_loads += 1
+        else:
+            t.load = spec
+            self.counters.step_loads += 1
 
     # -- build_connector_meta ------------------------------------------------------------
 
     def build(self, scheduler_output: Any) -> tuple[list[LoadSpec], list[SaveSpec]]:
         """This step's loads (planned by ``after_alloc``) and saves (blocks
         that are full once this step has computed its tokens)."""
-        loads: list[LoadSpec] = []
+        loads, self._background = self._background, []
         saves: list[SaveSpec] = []
         scheduled = scheduler_output.num_scheduled_tokens
+        if self._loading and scheduler_output.total_num_scheduled_tokens > 0:
+            self.counters.steps_while_loading += 1
+            self.counters.tokens_while_loading += scheduler_output.total_num_scheduled_tokens
+        self._loading.update(spec.req_id for spec in loads)
         for new in scheduler_output.scheduled_new_reqs:
             t = self._reqs.get(new.req_id)
             if t is None:
@@ -188,18 +254,32 @@ class Planner:
 
     def load_failed(self, block_ids: set[int]) -> None:
         """Blocks a worker could not load (vLLM recomputes them): the store
-        does not hold them after all, so they are saved again once computed."""
+        does not hold them after all, so they are saved again once computed,
+        and the request is not matched again."""
         for t in self._reqs.values():
             for i, block_id in enumerate(t.block_ids[: t.stored_blocks]):
                 if block_id in block_ids:
+                    self.counters.load_failed_blocks += t.stored_blocks - i
+                    self.counters.failed_loads += 1
                     t.stored_blocks = i
+                    t.load_failed = True
                     break
+
+    def loads_done(self, req_ids: set[str]) -> None:
+        """The workers finished these requests' background loads (whole or
+        not: failed blocks came through ``load_failed``)."""
+        for req_id in req_ids:
+            if req_id in self._loading:
+                self._loading.discard(req_id)
+                self.counters.background_loads_done += 1
 
     # -- request_finished ------------------------------------------------------------------
 
     def finished(self, request: Any) -> EndTurn | None:
         """Forget ``request``; the turn to tell the sidecar about, if any."""
         t = self._reqs.pop(request.request_id, None)
+        # A load in flight is still reported done by the workers (vLLM holds
+        # the blocks until then): _loading keeps it until loads_done.
         if t is None or t.stored_blocks == 0:
             return None
         keys = tuple(tuple(chain[: t.stored_blocks]) for chain in t.keys)

@@ -13,14 +13,17 @@ Provides:
   planned blocks, copy them into their pages, layer by layer) and saves
   (``reserve`` before the forward, ``save_layer`` after each layer's
   attention wrote its pages, ``end_step`` commits the blocks whose layers
-  were all copied, or gives them back). Blocks that could not be loaded are
-  collected for ``take_load_errors`` (vLLM recomputes them).
+  were all copied, or gives them back). Loads planned for the background go
+  to a ``vllm_loader.BackgroundLoader``, whose finished requests
+  ``finished_loads`` reports (vLLM's ``get_finished``). Blocks that could
+  not be loaded are collected for ``take_load_errors`` (vLLM recomputes them).
 
 A block in the arena is the layers' pages of that block one after another
 (``vllm_layout``). No bytes cross the control socket: the copies go
 straight between vLLM's pages and the sidecar's shared arena.
 
-Runs in vLLM's worker process, on the thread that runs the model.
+Runs in vLLM's worker process, on the thread that runs the model (the
+background loader's copies on its own thread, into pages no step uses).
 """
 
 from __future__ import annotations
@@ -167,24 +170,32 @@ class ConnectorWorker:
         self._mover_arena: Any = None
         self._step = _Step()
         self._load_errors: set[int] = set()
+        self._loader: Any = None  # vllm_loader.BackgroundLoader, made at the first one
+        self._loader_mover: tuple[Any, PageMover] | None = None  # (its arena, its mover)
 
     def register(
         self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], layer_bytes: int
     ) -> None:
-        """Map vLLM's KV tensors (raises PageLayoutError if they are not pages)."""
+        """Map vLLM's KV tensors (raises PageLayoutError if they are not pages)
+        and, with background loads on, start their loader."""
         self.paged = PagedKV(kv_caches, layer_names, layer_bytes)
+        if self.settings.async_loads:
+            self._background_loader()
+
+    def _new_mover(self, arena: torch.Tensor) -> PageMover:
+        assert self.paged is not None
+        if self.paged.device.type == "cuda":
+            from tierstore.engines.vllm_cuda import CudaPageMover
+
+            return CudaPageMover(self.paged, arena)
+        return CpuPageMover(self.paged, arena)
 
     def _client_and_mover(self) -> tuple[StoreClient, PageMover] | None:
         client = self.link.client()
         if client is None or self.paged is None:
             return None
         if self._mover is None or self._mover_arena is not client.arena_tensor:
-            if self.paged.device.type == "cuda":
-                from tierstore.engines.vllm_cuda import CudaPageMover
-
-                self._mover = CudaPageMover(self.paged, client.arena_tensor)
-            else:
-                self._mover = CpuPageMover(self.paged, client.arena_tensor)
+            self._mover = self._new_mover(client.arena_tensor)
             self._mover_arena = client.arena_tensor
         return client, self._mover
 
@@ -222,9 +233,12 @@ class ConnectorWorker:
 
     def load(self, loads: Sequence[LoadSpec]) -> None:
         """Pin each planned prefix and copy it into vLLM's pages, layer by
-        layer. What is not pinned (gone, failed verification, sidecar down)
-        goes to the load errors."""
+        layer (a background one: hand it to the loader). What is not pinned
+        (gone, failed verification, sidecar down) goes to the load errors."""
         for spec in loads:
+            if spec.background:
+                self._background_loader().submit(spec)
+                continue
             got = 0
             cm = self._client_and_mover()
             if cm is not None:
@@ -259,6 +273,48 @@ class ConnectorWorker:
             if len(pinned.offsets) < len(chunk):
                 break
         return got
+
+    def _background_loader(self) -> Any:
+        if self._loader is None:
+            from tierstore.engines.vllm_loader import BackgroundLoader
+
+            self._loader = BackgroundLoader(
+                self.settings, self.layouts_for, self.tp_rank, self._copy_in_background
+            )
+        return self._loader
+
+    def _copy_in_background(
+        self, client: StoreClient, layout: KVLayout, offsets: list[int], ids: tuple[int, ...]
+    ) -> None:
+        """The loader thread's copies: every layer of the pinned blocks into
+        their pages, done when it returns (its own mover: a CUDA one has its
+        own stream and events)."""
+        if self.paged is None:
+            raise PageLayoutError("vLLM's KV caches were not registered")
+        if self._loader_mover is None or self._loader_mover[0] is not client.arena_tensor:
+            self._loader_mover = (client.arena_tensor, self._new_mover(client.arena_tensor))
+        mover = self._loader_mover[1]
+        for layer in range(len(self.paged.pages)):
+            base = layer * self.paged.layer_bytes
+            mover.to_pages(layer, [(o + base, b) for o, b in zip(offsets, ids)])
+        mover.sync()
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose background loads ended since the last call (their
+        failed blocks join the load errors, reported in the same step)."""
+        if self._loader is None:
+            return set()
+        finished, failed = self._loader.poll()
+        self._load_errors.update(failed)
+        return finished
+
+    @property
+    def loader_counters(self) -> Any:
+        return self._loader.counters if self._loader is not None else None
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.close()
 
     def layer_loaded(self, layer_name: str) -> None:
         if self._mover is not None and self.paged is not None:

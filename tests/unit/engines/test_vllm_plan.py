@@ -20,6 +20,7 @@ from tierstore.engines.vllm import session_of
 from tierstore.engines.vllm_layout import ConnectorSettings, request_refusal, request_salt
 from tierstore.engines.vllm_plan import Planner
 from tierstore.keys import BlockKey, KVLayout, chain_keys
+from tierstore.tiers import TierName
 
 BT = 16
 LAYOUTS = (
@@ -41,7 +42,7 @@ class FakeStore:
         n = 0
         while n < len(keys) and keys[n] in self.keys:
             n += 1
-        return n
+        return (TierName.DRAM,) * n
 
     def hold(self, layout: KVLayout, tokens: list[int], num_blocks: int) -> None:
         self.keys.update(chain_keys(layout, tokens)[:num_blocks])

@@ -1,0 +1,171 @@
+"""The vLLM connector's background loads (vLLM's async loads), worker side.
+
+Provides ``BackgroundLoader``: ``submit(spec)`` queues a ``LoadSpec`` whose
+request waits in vLLM's WAITING_FOR_REMOTE_KVS; one loader thread pins its
+blocks in the sidecar's arena (the sidecar promotes them from NVMe, fetches
+them from a peer or the bucket, within ``load_deadline_s``) and copies them
+into the request's pages while the engine keeps running other requests.
+``poll()`` returns the requests whose loads ended (vLLM's ``get_finished``)
+and the blocks that did not load (``get_block_ids_with_load_errors``).
+
+Bounded: a load not done ``async_load_timeout_s`` after it was submitted is
+cancelled and reported with its missing blocks, never left pending. A
+cancelled load copies nothing more (its copies and the cancel take the
+load's lock), so vLLM may recompute into those pages at once. The loader has
+its own ``StoreLink`` (its own attach), so the model's thread and the loader
+never share a client.
+
+Runs in vLLM's worker process: ``submit``, ``poll`` and ``close`` on the
+model's thread, the loads on the thread "tierstore-vllm-loader".
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tierstore.client import StoreClient
+from tierstore.engines.vllm_layout import ConnectorSettings
+from tierstore.engines.vllm_link import StoreLink
+from tierstore.engines.vllm_plan import LoadSpec
+from tierstore.errors import TierstoreError
+from tierstore.keys import KVLayout
+
+log = logging.getLogger("tierstore.engines.vllm")
+
+# Copies pinned blocks (client, layout, arena offsets) into vLLM's blocks (ids), every
+# layer, and returns once the copies are done (the pins are released after it).
+CopyIn = Callable[[StoreClient, KVLayout, list[int], tuple[int, ...]], None]
+
+
+@dataclass(slots=True)
+class LoaderCounters:
+    loads: int = 0  # background loads submitted
+    loaded_blocks: int = 0
+    failed_blocks: int = 0  # reported to vLLM for recompute
+    timeouts: int = 0  # loads cancelled at async_load_timeout_s
+    errors: int = 0  # unexpected exceptions in the loader thread (a bug: logged once)
+
+
+@dataclass(slots=True)
+class _Job:
+    spec: LoadSpec
+    deadline: float  # time.monotonic()
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    got: int = 0  # blocks copied into their pages (under lock)
+    cancelled: bool = False  # under lock: copy nothing more
+    done: bool = False  # the thread ended it (under lock)
+
+
+class BackgroundLoader:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        layouts_for: Callable[[str], tuple[KVLayout, ...]],
+        tp_rank: int,
+        copy_in: CopyIn,
+        link: StoreLink | None = None,
+    ) -> None:
+        self.settings = settings
+        self.layouts_for = layouts_for
+        self.tp_rank = tp_rank
+        self.copy_in = copy_in
+        self.counters = LoaderCounters()
+        self.link = link if link is not None else StoreLink(settings, "vllm-loader")
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: dict[str, _Job] = {}  # submitted, not yet polled as ended
+        # Attach now, not in the first background load (before the thread uses the link).
+        self.link.client()
+        self._thread = threading.Thread(target=self._run, name="tierstore-vllm-loader", daemon=True)
+        self._thread.start()
+
+    # -- the model's thread ---------------------------------------------------------------
+
+    def submit(self, spec: LoadSpec) -> None:
+        job = _Job(spec, time.monotonic() + self.settings.async_load_timeout_s)
+        self._jobs[spec.req_id] = job
+        self.counters.loads += 1
+        self._queue.put(job)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._jobs)
+
+    def poll(self) -> tuple[set[str], set[int]]:
+        """Requests whose loads ended (done, failed or past their deadline)
+        and the vLLM blocks of theirs that did not load."""
+        finished: set[str] = set()
+        failed: set[int] = set()
+        now = time.monotonic()
+        for req_id, job in list(self._jobs.items()):
+            with job.lock:
+                if not job.done:
+                    if now < job.deadline:
+                        continue
+                    job.cancelled = True  # the thread copies nothing more into these pages
+                    self.counters.timeouts += 1
+                got = job.got
+            del self._jobs[req_id]
+            finished.add(req_id)
+            missing = job.spec.block_ids[got:]
+            failed.update(missing)
+            self.counters.loaded_blocks += got
+            self.counters.failed_blocks += len(missing)
+        return finished, failed
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=self.settings.call_timeout_s)
+        self.link.close()
+
+    # -- the loader thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._load(job)
+            except TierstoreError as e:
+                self.link.failed(e)
+            except Exception:  # a bug: the request is still reported (failed)
+                if not self.counters.errors:
+                    log.exception("tierstore connector: background load failed")
+                self.counters.errors += 1
+            finally:
+                with job.lock:
+                    job.done = True
+
+    def _load(self, job: _Job) -> None:
+        spec = job.spec
+        client = self.link.client()
+        if client is None:
+            return
+        layout = self.layouts_for(spec.salt)[self.tp_rank]
+        keys = list(spec.keys[self.tp_rank])
+        while job.got < len(keys):
+            left_s = job.deadline - time.monotonic()
+            if left_s <= 0:
+                return
+            chunk = keys[job.got : job.got + client.max_batch_keys]
+            pinned = client.acquire(
+                layout,
+                chunk,
+                include_peers=self.settings.include_peers,
+                deadline_s=min(self.settings.load_deadline_s, left_s),
+            )
+            try:
+                with job.lock:
+                    if job.cancelled:
+                        return
+                    ids = spec.block_ids[job.got : job.got + len(pinned.offsets)]
+                    self.copy_in(client, layout, pinned.offsets, ids)
+                    job.got += len(pinned.offsets)
+            finally:
+                pinned.release()
+            if len(pinned.offsets) < len(chunk):
+                return  # a gap: the rest is recomputed
