@@ -14,9 +14,10 @@ Provides, for ``tierstore.store.remote_upload``:
 - ``Durability``: what that wait found.
 
 A turn is durable when the bucket acknowledged every block of its chain:
-a PUT answered, or a HEAD (or a remembered answer) saying the object is
-there. Manifests are not needed: they speed lookups up, a lookup without
-them still finds every block.
+a PUT answered, or a HEAD saying the object is there (or such an answer
+remembered for ``remote_cache_ttl_s``: a GC pass of another host inside
+that time can make it stale, as it can any lookup's). Manifests are not
+needed: they speed lookups up, a lookup without them still finds every block.
 
 Pure bookkeeping over the tier's counters, no I/O. Thread-safe: ``accept``
 on gRPC handler threads, ``finish`` on the ``tierstore-remote-writer``
