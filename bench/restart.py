@@ -95,7 +95,7 @@ def bench_starts(tmp: Path, sizes: list[int], runs: int) -> dict[str, object]:
             x, y = bench_start(d, gib << 30, populate)
             ready[name].append(x)
             attach[name].append(y)
-    out: dict[str, object] = {"start_runs": runs}
+    out: dict[str, object] = {"starts_per_case": runs}
     for _, _, name in cases:
         out[f"serve_ready_s_{name}"] = statistics.median(ready[name])
         out[f"serve_ready_s_{name}_runs"] = [round(x, 3) for x in ready[name]]
