@@ -7,8 +7,9 @@ Provides:
   ``kv_transfer_config``.
 - ``VllmEngine``: starts ``python -m tierstore.engines.vllm_driver`` with a
   model, an optional connector and more ``LLM`` arguments, and sends it requests: ``generate``
-  (greedy; token ids, ``num_cached_tokens`` and the call's time per prompt)
-  and ``close``. Every wait has a deadline; an engine that dies or stalls
+  (greedy; token ids, ``num_cached_tokens`` and the call's time per prompt),
+  ``reset_prefix_cache`` (vLLM's own cache of this engine; not the store) and
+  ``close``. Every wait has a deadline; an engine that dies or stalls
   raises ``EngineError`` with the tail of its log.
 
 Fresh engine processes are what "warm from another process" means, and vLLM
@@ -176,19 +177,36 @@ class VllmEngine:
         max_tokens: int = 8,
         *,
         session: str = "",
+        ignore_eos: bool = False,
         timeout_s: float = 300.0,
     ) -> tuple[list[Output], float]:
-        """Greedy outputs of ``prompts`` (one batch) and the call's seconds."""
+        """Greedy outputs of ``prompts`` (one batch) and the call's seconds.
+        ``ignore_eos``: always ``max_tokens`` tokens (a comparison's length)."""
+        cmd = {
+            "op": "generate",
+            "prompts": prompts,
+            "max_tokens": max_tokens,
+            "session": session,
+            "ignore_eos": ignore_eos,
+        }
+        reply = self._command(cmd, timeout_s)
+        outs = [Output(o["token_ids"], o["num_cached_tokens"]) for o in reply["outputs"]]
+        return outs, float(reply["seconds"])
+
+    def reset_prefix_cache(self, timeout_s: float = 60.0) -> bool:
+        """Empty this engine's own prefix cache (``LLM.reset_prefix_cache``),
+        so that later prompts are computed again. False when vLLM refused
+        (it does while requests hold blocks)."""
+        return bool(self._command({"op": "reset_prefix_cache"}, timeout_s)["reset"])
+
+    def _command(self, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        cmd = {"op": "generate", "prompts": prompts, "max_tokens": max_tokens, "session": session}
         try:
             self.proc.stdin.write(json.dumps(cmd) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             raise EngineError(f"engine is gone:\n{self.log_tail()}") from None
-        reply = self._reply(timeout_s)
-        outs = [Output(o["token_ids"], o["num_cached_tokens"]) for o in reply["outputs"]]
-        return outs, float(reply["seconds"])
+        return self._reply(timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
         if self.proc.poll() is None and self.proc.stdin is not None:
@@ -251,9 +269,13 @@ def _child(argv: list[str]) -> None:
         cmd = json.loads(line)
         if cmd["op"] == "close":
             break
+        if cmd["op"] == "reset_prefix_cache":
+            _send({"reset": bool(llm.reset_prefix_cache())})
+            continue
         params = SamplingParams(
             max_tokens=cmd["max_tokens"],
             temperature=0.0,
+            ignore_eos=bool(cmd.get("ignore_eos", False)),
             detokenize=False,
             extra_args={"kv_transfer_params": {"session": cmd["session"]}}
             if cmd.get("session")
