@@ -27,7 +27,19 @@ def test_vllm_demo_resumes_warm_on_host_b_with_equal_outputs() -> None:
         capture_output=True, text=True, timeout=840, cwd=REPO, check=True,
     )  # fmt: skip
     result = json.loads(out.stdout)
-    assert result["outputs_equal"] is True
+    # Warm equals a no-store engine that computed the prefix in A's two chunks
+    # and reused from its own cache what the warm engine reused from B's store
+    # (the demo fails when it did not), over at least 32 greedy tokens.
+    assert result["outputs_equal"] is True, result
+    assert result["warm_first_difference"] is None
+    assert result["compared_tokens"] >= 32
+    assert result["reference_cached_tokens"] == result["reused_tokens"]
+    assert result["reference_turn_reused_tokens"] == [t["reused_tokens"] for t in result["turns"]]
+    # The cold full prefill is information: its verdict and first differing
+    # token are reported and consistent.
+    assert result["cold_equal"] is (result["cold_first_difference"] is None)
+    cold_diff = result["cold_first_difference"]
+    assert cold_diff is None or 0 <= cold_diff < result["compared_tokens"]
     assert result["replica_bytes_on_b"] > 0  # A pushed the session to B after its turns
     # B reused at least turn 2's prompt (its full blocks), all from A's replica:
     # the switch prompt is that prompt, its 16 output tokens and 64 new ones.

@@ -9,6 +9,16 @@ fresh engine without the connector gives the cold time to first token and a
 fresh engine with it the warm one. It prints both, the tokens reused,
 the blocks B's store served the warm engine (and how many of them it
 fetched from A at load time), and whether the greedy outputs are equal.
+
+The oracle (``compare_outputs``): the warm engine's prefix was computed on
+A in two prefill chunks (turn 1, then turn 2 on top of A's own cache); a
+cold full prefill of the same prompt rounds bf16 differently, store or no
+store. So the reference is the cold engine again, its prefix cache reset,
+running turn 1, turn 2 and the switch prompt: the same chunks, without any
+store. The warm output must equal it over ``SWITCH_TOKENS`` greedy tokens,
+and the reference must have reused as many tokens from its own cache as
+the warm engine did from the store (else the demo fails: no like-for-like
+reference). The cold full prefill's agreement is reported, not required.
 Three engine starts (20-40 s each here) dominate its run time; the HF demo
 stays the default.
 
@@ -27,11 +37,61 @@ from typing import Any
 
 from tierstore.cli.demo import two_hosts
 from tierstore.client import StoreClient
-from tierstore.engines.vllm_driver import VllmEngine, kv_transfer_config, tiny_llama
+from tierstore.engines.vllm_driver import Output, VllmEngine, kv_transfer_config, tiny_llama
 from tierstore.errors import TierstoreError
 
 REPLICA_WAIT_S = 60.0
-NEW_TOKENS = 16
+NEW_TOKENS = 16  # generated per turn on host A
+SWITCH_TOKENS = 32  # generated on host B (cold, reference, warm) and compared
+ROUNDING_NOTE = (
+    "a full prefill rounds bf16 differently from a prefill in two chunks; "
+    "the same happens without any store"
+)
+
+
+class DemoError(TierstoreError):
+    """The demo could not build a like-for-like reference."""
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where ``a`` and ``b`` differ (a length
+    difference counts), or None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def compare_outputs(
+    warm: Output, reference: Output, cold: Output, reference_turn_reused: list[int],
+    turn_reused: list[int],
+) -> dict[str, Any]:  # fmt: skip
+    """The demo's verdict. ``reference`` is a no-store engine that computed
+    the prefix in the same chunks as host A (``reference_turn_reused``: the
+    tokens it reused on each turn, which must be A's ``turn_reused``) and
+    reused from its own cache what the warm engine reused from the store;
+    raises DemoError when it did not, since the comparison would not be
+    like for like. ``cold`` (one full prefill) is information only."""
+    if (
+        reference_turn_reused != turn_reused
+        or reference.num_cached_tokens != warm.num_cached_tokens
+    ):
+        raise DemoError(
+            f"the reference engine reused {reference_turn_reused} tokens on its turns and "
+            f"{reference.num_cached_tokens} on the switch prompt; host A reused {turn_reused} "
+            f"and the warm engine {warm.num_cached_tokens}: not a like-for-like reference"
+        )
+    warm_diff = first_difference(warm.token_ids, reference.token_ids)
+    cold_diff = first_difference(cold.token_ids, warm.token_ids)
+    return {
+        "compared_tokens": len(warm.token_ids),
+        "outputs_equal": warm_diff is None,
+        "warm_first_difference": warm_diff,
+        "reference_cached_tokens": reference.num_cached_tokens,
+        "reference_turn_reused_tokens": reference_turn_reused,
+        "cold_equal": cold_diff is None,
+        "cold_first_difference": cold_diff,
+    }
 
 
 def _say(quiet: bool, what: str) -> None:
@@ -64,6 +124,22 @@ def _served_on(socket: Path) -> dict[str, int]:
     }
 
 
+def _reference(
+    engine: VllmEngine, turn_prompts: list[list[int]], switch_prompt: list[int]
+) -> tuple[Output, list[int]]:
+    """The switch prompt's output on a no-store engine whose KV was computed
+    in host A's chunks: its prefix cache emptied, it runs A's turns first.
+    Returns that output and the tokens each turn reused from its own cache."""
+    if not engine.reset_prefix_cache():
+        raise DemoError("vLLM refused to reset the cold engine's prefix cache: no reference")
+    reused: list[int] = []
+    for prompt in turn_prompts:
+        (out,), _ = engine.generate([prompt], NEW_TOKENS)
+        reused.append(out.num_cached_tokens)
+    (reference,), _ = engine.generate([switch_prompt], SWITCH_TOKENS, ignore_eos=True)
+    return reference, reused
+
+
 def run(tokens: int, keep: bool = False, quiet: bool = False) -> dict[str, Any]:
     rng = random.Random(7)
     first = [rng.randrange(1, 1000) for _ in range(tokens // 2)]
@@ -74,9 +150,11 @@ def run(tokens: int, keep: bool = False, quiet: bool = False) -> dict[str, Any]:
         model = tiny_llama(root / "model")
         session = "demo-session"
         _say(quiet, "starting a vLLM engine on host A")
+        turn_prompts: list[list[int]] = []
         with VllmEngine(model, kv_transfer_config(host_a.socket), log_path=root / "a.log") as a:
             history = first
             for turn in (1, 2):
+                turn_prompts.append(history)
                 (out,), ttft = a.generate([history], NEW_TOKENS, session=session)
                 result["turns"].append(
                     {"turn": turn, "host": "A", "prompt_tokens": len(history),
@@ -88,12 +166,18 @@ def run(tokens: int, keep: bool = False, quiet: bool = False) -> dict[str, Any]:
         result["switch_prompt_tokens"] = len(history)
         _say(quiet, "host B, cold: a vLLM engine without the store")
         with VllmEngine(model, None, log_path=root / "b-cold.log") as cold_engine:
-            (cold,), result["cold_ttft_s"] = cold_engine.generate([history], NEW_TOKENS)
+            (cold,), result["cold_ttft_s"] = cold_engine.generate(
+                [history], SWITCH_TOKENS, ignore_eos=True
+            )
+            _say(quiet, "host B, reference: the same engine, A's two turns, then the switch")
+            reference, reference_turn_reused = _reference(cold_engine, turn_prompts, history)
         _say(quiet, "host B, warm: a vLLM engine with TierstoreConnector")
         warm_cfg = kv_transfer_config(host_b.socket, include_peers=True)
         before = _served_on(host_b.socket)
         with VllmEngine(model, warm_cfg, log_path=root / "b-warm.log") as warm_engine:
-            (warm,), result["warm_ttft_s"] = warm_engine.generate([history], NEW_TOKENS)
+            (warm,), result["warm_ttft_s"] = warm_engine.generate(
+                [history], SWITCH_TOKENS, ignore_eos=True
+            )
         after = _served_on(host_b.socket)
         # The warm engine's load, by where B found it (include_peers lets B
         # fetch what it lacks from A on the spot; the rest was already on B).
@@ -102,7 +186,8 @@ def run(tokens: int, keep: bool = False, quiet: bool = False) -> dict[str, Any]:
         }
         result["replicas_imported_on_b"] = after["replicas_imported"]
         result["reused_tokens"] = warm.num_cached_tokens
-        result["outputs_equal"] = warm.token_ids == cold.token_ids
+        turn_reused = [t["reused_tokens"] for t in result["turns"]]
+        result.update(compare_outputs(warm, reference, cold, reference_turn_reused, turn_reused))
         result["speedup"] = result["cold_ttft_s"] / max(result["warm_ttft_s"], 1e-9)
     return result
 
@@ -113,25 +198,34 @@ def format_result(r: dict[str, Any]) -> str:
         "Model: random Llama, 4 layers, hidden 256 (bf16, built from a config), "
         "served by vLLM (CPU build) with TierstoreConnector",
         "",
-        "turn  host  prompt tokens  reused  time (prefill + 16 tokens)",
+        f"turn  host  prompt tokens  reused  time (prefill + {NEW_TOKENS} tokens)",
     ]
     for t in r["turns"]:
         lines.append(
             f"{t['turn']:>4}  {t['host']:>4}  {t['prompt_tokens']:>13}  "
             f"{t['reused_tokens']:>6}  {t['seconds']:6.2f} s"
         )
+    n = r["compared_tokens"]
+    if r["cold_equal"]:
+        cold_line = "yes"
+    else:
+        cold_line = f"no, from token {r['cold_first_difference']} on ({ROUNDING_NOTE})"
+    warm_line = "yes" if r["outputs_equal"] else f"NO, from token {r['warm_first_difference']} on"
     lines += [
         "",
         f"Session moves to host B ({r['switch_prompt_tokens']} tokens; "
         f"{r['replica_bytes_on_b'] / 2**20:.1f} MiB of replica there):",
         "",
-        "                      prefill + 16 tokens",
+        f"                      prefill + {n} tokens",
         f"  cold (no store)      {r['cold_ttft_s']:8.2f} s",
         f"  warm (tierstore)     {r['warm_ttft_s']:8.2f} s   ({r['reused_tokens']} tokens reused)",
         f"  blocks B served it   {r['warm_blocks_on_b']['pinned']}, of which "
         f"{r['warm_blocks_on_b']['fetched_from_peer']} fetched from A at load time",
         f"  speedup              {r['speedup']:8.1f} x",
-        f"  outputs equal to the cold run: {'yes' if r['outputs_equal'] else 'NO'}",
+        "",
+        f"  {n} greedy tokens, warm equal to a no-store engine that computed the prefix in",
+        f"  A's two chunks ({r['reference_cached_tokens']} tokens from its own cache): {warm_line}",
+        f"  cold full prefill equal to warm: {cold_line}",
     ]
     return "\n".join(lines)
 
