@@ -86,6 +86,7 @@ class StoreConfig:
     nvme_index_reserve_bytes: int = 0  # disk kept free for the LMDB index; 0: derived
     nvme_full_backoff_s: float = 5.0  # after ENOSPC, re-check the disk this often (doubling)
     dram_populate: str = "background"  # background (serve at once) | upfront (populate first)
+    dram_ready_bytes: int = 256 << 20  # background: arena bytes made ready before serving
     dram_huge_pages: bool = True  # ask for transparent huge pages on the arena (madvise)
     hash_queue_blocks: int = 1 << 16  # committed blocks waiting for their digest; 0: hash on use
     replica_live_s: float = 300.0  # replicas pushed this recently keep their LRU place in DRAM
@@ -94,6 +95,7 @@ class StoreConfig:
         if self.dram_bytes <= 0:
             raise ConfigError(f"dram_bytes must be positive, got {self.dram_bytes}")
         _at_least(self, 0, "nvme_bytes")
+        _at_least(self, 0, "dram_ready_bytes")
         if not 0.0 < self.dram_low_watermark < self.dram_high_watermark <= 1.0:
             raise ConfigError(
                 "watermarks must satisfy 0 < dram_low_watermark < dram_high_watermark <= 1, "

@@ -12,7 +12,7 @@ reverse (threads stopped, the arena file removed; not the tiers the caller
 passed) and the error propagates. Also provides
 ``populate_in_background``, which logs the arena and, unless it is
 populated already, starts its populator thread and makes the arena's first
-``READY_AT_START_BYTES`` ready before the store serves.
+``dram_ready_bytes`` ready before the store serves.
 
 Every collaborator gets what it works with explicitly (tiers, ledger,
 policies, the digest function, the counters): nothing here, or in what it
@@ -59,11 +59,6 @@ from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
 POPULATOR_NICE = 10  # the arena populator thread's niceness (Linux: per thread)
-# Prepared before the store serves, so that the first puts land in ready
-# memory (a 50k-token turn of an 8B model is about 240 MB): preparing runs at
-# 1.5-3.5 GB/s here, a few times slower than the copy it precedes. A fixed
-# size, so start-up does not grow with dram_bytes.
-READY_AT_START_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,16 +232,23 @@ def _build_demoter(
     )
 
 
-def populate_in_background(arena: Arena, workers: Workers, stop: Callable[[], bool]) -> None:
+def populate_in_background(
+    arena: Arena, workers: Workers, stop: Callable[[], bool], ready_bytes: int
+) -> None:
     """Log the arena; unless it is populated already, populate it on the
     "tierstore-arena-populator" thread until done or ``stop()`` is true, and
-    prepare its first ``READY_AT_START_BYTES`` (the slots handed out first)
-    on this thread before returning, while that thread starts on the rest."""
+    prepare its first ``ready_bytes`` (the slots handed out first) on this
+    thread before returning, while that thread starts on the rest.
+
+    The head is there so that the first puts land in ready memory (a
+    50k-token turn of an 8B model is about 240 MB): preparing runs at
+    1.5-3.5 GB/s on 4 KiB pages here, a few times slower than the copy it
+    precedes. A fixed size, so start-up does not grow with ``dram_bytes``."""
     state = "populated"
     if arena.populated_bytes < arena.size_bytes:
         workers.start("tierstore-arena-populator", lambda: _populate(arena, stop))
         t0 = time.monotonic()
-        head = min(READY_AT_START_BYTES, arena.size_bytes)
+        head = min(ready_bytes, arena.size_bytes)
         arena.ensure_ready(0, head)  # a unit the tmpfs refuses is refused again on use
         state = (
             f"first {head >> 20} MiB ready in {time.monotonic() - t0:.2f}s, "

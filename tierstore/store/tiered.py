@@ -116,7 +116,9 @@ class TieredStore:
         self._closing = False
         self._close_lock = threading.Lock()  # close runs once, whoever calls it
         self.last_drain = DrainReport.load(self.nvme.root) if self.nvme is not None else None
-        populate_in_background(self.arena, self.workers, stop=lambda: self._closing)
+        populate_in_background(
+            self.arena, self.workers, lambda: self._closing, config.dram_ready_bytes
+        )
 
     # -- layouts ----------------------------------------------------------------
 

@@ -77,9 +77,12 @@ def test_store_serves_lookups_and_puts_before_population_finishes(
         return real_populate(self, stop)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Arena, "populate", held_populate)
-    monkeypatch.setattr(build, "READY_AT_START_BYTES", 4 << 20)
     cfg = StoreConfig(
-        dram_bytes=256 << 20, shm_dir=str(tmp_path), nvme_bytes=0, dram_segment_bytes=1 << 20
+        dram_bytes=256 << 20,
+        shm_dir=str(tmp_path),
+        nvme_bytes=0,
+        dram_segment_bytes=1 << 20,
+        dram_ready_bytes=4 << 20,
     )
     with TieredStore(cfg) as store:
         # The first slots are ready before the store serves, the rest is not.
