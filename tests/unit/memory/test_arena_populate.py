@@ -20,7 +20,6 @@ import tierstore.memory.arena as arena_module
 from tierstore.config import StoreConfig
 from tierstore.keys import KVLayout, chain_keys
 from tierstore.memory.arena import UNIT_BYTES, Arena
-from tierstore.store import build
 from tierstore.store.dram import DramTier, ReserveStatus
 from tierstore.store.tiered import TieredStore
 
