@@ -76,6 +76,7 @@ def _load_time_imports(path: Path, modules: set[str]) -> set[str]:
                 visit(getattr(node, "orelse", []))
                 for h in getattr(node, "handlers", []):
                     visit(h.body)
+
     visit(tree.body)
     return {m for m in found if m in modules}
 
