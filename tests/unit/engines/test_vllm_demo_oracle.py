@@ -42,8 +42,11 @@ def test_warm_equal_to_reference_passes_whatever_the_cold_prefill_gives() -> Non
 @pytest.mark.parametrize("at", [0, 9, 31])
 def test_warm_that_differs_from_the_reference_fails(at: int) -> None:
     warm = Output(_with(IDS, at, 7), 1536)
-    r = compare_outputs(warm, Output(IDS, 1536), Output(IDS, 0), TURNS, TURNS)
+    cold = Output(_with(IDS, 9, 7), 0)
+    r = compare_outputs(warm, Output(IDS, 1536), cold, TURNS, TURNS)
     assert r["outputs_equal"] is False and r["warm_first_difference"] == at
+    # The cold prefill is held against the reference, never against a wrong warm.
+    assert r["cold_first_difference"] == 9
 
 
 def test_a_reference_that_did_not_reuse_what_warm_did_is_refused() -> None:
