@@ -2,7 +2,8 @@
 
 Provides:
 - ``tiny_llama(path, ...)``: save a random-weight Llama built from a config
-  (nothing is downloaded) for vLLM to load.
+  (nothing is downloaded) for vLLM to load; ``WIDE_KV``: its arguments for
+  an 8B model's KV per token.
 - ``kv_transfer_config(socket_path, **settings)``: the TierstoreConnector's
   ``kv_transfer_config``.
 - ``VllmEngine``: starts ``python -m tierstore.engines.vllm_driver`` with a
@@ -51,13 +52,19 @@ def tiny_llama(
     *,
     num_layers: int = 4,
     hidden: int = 256,
+    heads: int = 4,
     kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate: int | None = None,
     vocab: int = 1024,
     max_positions: int = 16384,
     seed: int = 0,
 ) -> Path:
-    """A random-weight bf16 Llama (4 layers, hidden 256, 2 KV heads by
-    default) saved with ``save_pretrained``; returns its directory."""
+    """A random-weight bf16 Llama (4 layers, hidden 256, 4 heads, 2 KV heads
+    of ``hidden // heads`` by default; ``intermediate`` 2x hidden) saved with
+    ``save_pretrained``; returns its directory. ``head_dim`` decouples the
+    heads from ``hidden`` (LlamaConfig's ``head_dim``): an 8B model's KV per
+    token with CPU-sized compute (``WIDE_KV``)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -68,10 +75,11 @@ def tiny_llama(
     cfg = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
+        num_attention_heads=heads,
         num_key_value_heads=kv_heads,
+        head_dim=head_dim,  # None: hidden // heads
         max_position_embeddings=max_positions,
         initializer_range=0.1,  # 0.02 makes a random Llama repeat one token
         torch_dtype="bfloat16",
@@ -79,6 +87,15 @@ def tiny_llama(
     model: Any = LlamaForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(path)
     return path
+
+
+WIDE_KV: dict[str, int] = {
+    "num_layers": 24, "hidden": 256, "heads": 8, "kv_heads": 8, "head_dim": 128,
+    "intermediate": 512,
+}  # fmt: skip
+"""``tiny_llama`` arguments for an 8B model's KV per token (Llama-3-8B: 8 KV
+heads of 128; 24 of its 32 layers): 96 KiB a token in bf16, 12 MiB a
+128-token block, with the compute of a 256-wide model."""
 
 
 def kv_transfer_config(socket_path: str | os.PathLike[str], **settings: Any) -> dict[str, Any]:
