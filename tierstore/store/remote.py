@@ -297,11 +297,22 @@ class RemoteTier:
 
     # -- reads ----------------------------------------------------------------------------
 
-    def get(self, layout_fp: bytes, key: BlockKey) -> concurrent.futures.Future[Any]:
-        """Start a GET of the block; the future's result goes to ``verify``."""
-        return self.client.submit(self._get(self.path(layout_fp, key)))
+    def get(
+        self, layout_fp: bytes, key: BlockKey, limit: asyncio.Semaphore | None = None
+    ) -> concurrent.futures.Future[Any]:
+        """Start a GET of the block; the future's result goes to ``verify``.
+        With ``limit`` (one pull's, see ``remote_pull``) the GET waits on the
+        loop for a place under it, so a pull can queue GETs ahead of the one
+        it waits for and the loop starts each the moment another ends."""
+        return self.client.submit(self._get(self.path(layout_fp, key), limit))
 
-    async def _get(self, path: str) -> memoryview | bool | None:
+    async def _get(self, path: str, limit: asyncio.Semaphore | None) -> memoryview | bool | None:
+        if limit is None:
+            return await self._get_shared(path)
+        async with limit:
+            return await self._get_shared(path)
+
+    async def _get_shared(self, path: str) -> memoryview | bool | None:
         if self._read_sem is None:
             self._read_sem = asyncio.Semaphore(self.cfg.remote_read_depth * 4)
         async with self._read_sem:

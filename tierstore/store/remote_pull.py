@@ -3,7 +3,9 @@
 Provides ``pull_prefix``, which brings the longest prefix of a request's
 keys that this host lacks from the bucket into DRAM, with up to
 ``remote_read_depth`` GETs in flight: while one block is verified (blake3)
-and copied into its slot, the next ones are on the wire. A DRAM slot is
+and copied into its slot, the next ones are on the wire, and the loop
+starts a queued GET as soon as any other ends (the pull takes the blocks
+in order, their GETs need not end in order). A DRAM slot is
 reserved only once a block's bytes arrived and verified, so a deadline or
 an unreachable store never leaves a reservation or a pin behind; the
 pulled blocks are committed unpinned (the caller's ``acquire`` pins them).
@@ -16,6 +18,7 @@ worker); the GETs run on the remote client's loop thread.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import time
 from collections import deque
@@ -58,13 +61,20 @@ def pull_prefix(
     remote.counters.add("remote_pulls")
     waiting = iter(todo)
     in_flight: deque[tuple[int, concurrent.futures.Future[Any]]] = deque()
+    # ``remote_read_depth`` GETs on the wire, kept there by the loop: twice
+    # as many are queued ahead of the block waited for, so a GET that ends
+    # while an earlier one is still out (or while one is verified and copied
+    # here) is replaced at once, not when its turn in the order comes. The
+    # window bounds the finished bytes waiting here to 2 x depth blocks.
+    depth = remote.cfg.remote_read_depth
+    on_wire = asyncio.Semaphore(depth)
 
     def submit_next() -> None:
         i = next(waiting, None)
         if i is not None:
-            in_flight.append((i, remote.get(fp, keys[i])))
+            in_flight.append((i, remote.get(fp, keys[i], on_wire)))
 
-    for _ in range(remote.cfg.remote_read_depth):
+    for _ in range(2 * depth):
         submit_next()
     pulled = 0
     try:
