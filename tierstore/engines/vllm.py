@@ -167,8 +167,10 @@ class TierstoreConnector(KVConnectorBase_V1):
         try:
             if self._slow_lookups is None:
                 return client.lookup(layout, keys).tiers
-            # Keys chain: the last one and the count name the prefix asked about.
-            ask = (layout.fingerprint, keys[-1], len(keys))
+            # Keys chain: the last one and the count name the prefix asked about. The
+            # client is part of the key: a call queued on a client the link closed
+            # since (a failure) is never collected, a new one goes to the new client.
+            ask = (id(client), layout.fingerprint, keys[-1], len(keys))
             return self._slow_lookups.ask(
                 ask, lambda: client.lookup(layout, keys, include_peers=True).tiers
             )
@@ -195,6 +197,8 @@ class TierstoreConnector(KVConnectorBase_V1):
         if self.disabled is not None:
             return TierstoreConnectorMetadata()
         loads, saves = self.planner.build(scheduler_output)
+        if self._slow_lookups is not None:
+            self._slow_lookups.new_step()
         self._write_stats()
         return TierstoreConnectorMetadata(loads, saves)
 

@@ -104,6 +104,8 @@ class BackgroundLoader:
         failed: set[int] = set()
         now = time.monotonic()
         for req_id, job in list(self._jobs.items()):
+            if not job.done and now < job.deadline:
+                continue  # running: never wait here for its copy (it holds the lock)
             with job.lock:
                 if not job.done:
                     if now < job.deadline:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -214,6 +215,33 @@ def test_the_loader_copies_every_block_and_reports_the_request() -> None:
     ld.close()
 
 
+def test_poll_does_not_wait_for_a_copy_in_progress() -> None:
+    """get_finished runs on the model's thread: a chunk being copied into
+    vLLM's pages must not hold it (the copy holds the load's lock)."""
+    copying, go_on = threading.Event(), threading.Event()
+
+    def slow_copy(c: Any, lo: Any, offsets: Any, ids: tuple[int, ...]) -> None:
+        copying.set()
+        go_on.wait(10)
+
+    ld = BackgroundLoader(
+        ConnectorSettings(async_load_timeout_s=30.0),
+        lambda salt: LAYOUTS,
+        0,
+        slow_copy,
+        FakeLink(FakeClient()),  # type: ignore[arg-type]
+    )
+    ld.submit(spec("a", 1))
+    assert copying.wait(10)
+    t0 = time.monotonic()
+    assert ld.poll() == (set(), set())
+    waited_s = time.monotonic() - t0
+    go_on.set()
+    assert poll_until(ld) == ({"a"}, set())
+    ld.close()
+    assert waited_s < 0.5, f"poll waited {waited_s:.2f}s for the copy"
+
+
 def test_a_gap_or_a_dead_sidecar_reports_the_missing_blocks() -> None:
     ld, copies = loader(FakeClient(hold=3))
     ld.submit(spec("a", 5))
@@ -278,14 +306,57 @@ def test_a_slow_call_answers_none_then_its_result_on_a_later_ask() -> None:
         got = calls.ask("k", slow)
     assert got == 7 and started == [1]  # one call for all the asks
     assert calls.pending == 0
-    assert calls.ask("fast", lambda: 3) == 3
+    assert _next_steps(calls, "fast", lambda: 3) == 3
 
     def broken() -> int:
         raise TierstoreError("peer gone")
 
     with pytest.raises(TierstoreError):
-        calls.ask("broken", broken)
+        _next_steps(calls, "broken", broken)
     assert calls.pending == 0
+    calls.close()
+
+
+def _next_steps(calls: BudgetedCalls[int], key: str, call: Callable[[], int]) -> int:
+    """Ask in one new step after another until the answer comes (a loaded
+    machine may wake the pool thread after a step's budget)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        calls.new_step()
+        got = calls.ask(key, call)
+        if got is not None:
+            return got
+    raise AssertionError(f"{key} never answered")
+
+
+def test_the_asks_of_one_step_share_one_budget() -> None:
+    """A step that asks for many waiting requests behind one slow call waits
+    the budget once, not once per request."""
+    calls = BudgetedCalls[int](budget_s=0.05, forget_s=5.0)
+    gate = threading.Event()
+    t0 = time.monotonic()
+    for i in range(40):  # queued behind the first on the one lookup thread
+        assert calls.ask(i, lambda: int(gate.wait(5))) is None
+    step_s = time.monotonic() - t0
+    assert step_s < 0.5, f"40 asks of one step waited {step_s:.2f}s (40 x 0.05 = 2 s)"
+    calls.new_step()
+    t1 = time.monotonic()
+    assert calls.ask(0, lambda: 0) is None  # the next step waits its own budget again
+    assert time.monotonic() - t1 >= 0.04
+    gate.set()
+    calls.close()
+
+
+def test_a_call_asked_again_is_kept() -> None:
+    calls = BudgetedCalls[int](budget_s=0.001, forget_s=0.2)
+    gate = threading.Event()
+    for _ in range(6):  # 0.3 s in all, never 0.2 s without an ask
+        calls.new_step()
+        assert calls.ask("a", lambda: int(gate.wait(5))) is None
+        time.sleep(0.05)
+    assert calls.pending == 1
+    gate.set()
+    assert _next_steps(calls, "a", lambda: 9) == 1  # the first call's answer, not a new one
     calls.close()
 
 
