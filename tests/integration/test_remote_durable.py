@@ -112,7 +112,10 @@ def test_a_plain_end_turn_is_lost_by_a_sigkill_before_the_bucket_has_it(
     short, short_data = blocks_of(4, 3)
     proxy = FaultProxy(int(seaweed.endpoint.rsplit(":", 1)[1]))
     try:
-        a = hosts("a", "--set", "remote_min_tokens=64", endpoint=proxy.endpoint)
+        a = hosts(
+            "a", "--set", "remote_min_tokens=64", "--set", "remote_durable_timeout_s=1.5",
+            endpoint=proxy.endpoint,
+        )  # fmt: skip
         with StoreClient(str(a.socket)) as c:
             assert all(c.store(L, keys, data)) and all(c.store(L, short, short_data))
             proxy.set_mode("refuse")
@@ -133,6 +136,18 @@ def test_a_plain_end_turn_is_lost_by_a_sigkill_before_the_bucket_has_it(
             stat = counters(c)
             assert stat["remote_turns_not_durable"] == 2
             assert stat["remote_durable_end_turns_failed"] == 1
+            # A longer wait than the sidecar allows is cut to remote_durable_timeout_s:
+            # a handler thread is not held for as long as any client asks.
+            t0 = time.monotonic()
+            reply = c.end_turn(
+                "t", L, short, 4 * L.block_tokens, durable=True, durable_timeout_s=60
+            )
+            assert not reply.durable and 1.5 <= reply.durable_wait_s < 4.0, reply
+            assert time.monotonic() - t0 < 6.0
+        # A client whose call deadline comes first gets the reply before it, not an error.
+        with StoreClient(str(a.socket), call_timeout_s=1.0) as c:
+            reply = c.end_turn("t", L, short, 4 * L.block_tokens, durable=True)
+            assert not reply.durable and reply.durable_wait_s < 1.0, reply
         a.stop(signal.SIGKILL)
     finally:
         proxy.close()

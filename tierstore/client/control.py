@@ -99,11 +99,12 @@ class ControlChannel:
             pass
         self.connected = False
 
-    def call(self, method: Any, request: Any, what: str) -> Any:
-        """``method(request)`` within the call timeout, after ``before_call``."""
+    def call(self, method: Any, request: Any, what: str, extra_s: float = 0.0) -> Any:
+        """``method(request)`` within the call timeout (plus ``extra_s``, for a
+        call that waits on purpose), after ``before_call``."""
         self._before_call()
         try:
-            return method(request, timeout=self.call_timeout_s)
+            return method(request, timeout=self.call_timeout_s + extra_s)
         except grpc.RpcError as e:
             raise rpc_error(e, what) from e
 

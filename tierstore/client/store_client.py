@@ -486,10 +486,11 @@ class StoreClient:
         sidecar's ``remote_turns_not_durable``), a crash of the host loses
         it. ``durable`` writes the turn through whatever its length and
         returns once the bucket acknowledged every block, or after
-        ``durable_timeout_s`` (0: the sidecar's ``remote_durable_timeout_s``;
-        keep it under this client's ``call_timeout_s``): the reply's
-        ``durable`` says which (``durable_blocks``, ``not_durable_reason``).
-        It never raises for a turn that did not become durable."""
+        ``durable_timeout_s`` (0, or more than the sidecar's
+        ``remote_durable_timeout_s``: that setting), the call's deadline
+        then being ``call_timeout_s`` past it: the reply's ``durable`` says
+        which (``durable_blocks``, ``not_durable_reason``). It never raises
+        for a turn that did not become durable."""
         if durable_timeout_s < 0:
             raise ValueError(f"durable_timeout_s must be >= 0, got {durable_timeout_s}")
         keys = check_keys(keys)
@@ -505,7 +506,8 @@ class StoreClient:
             durable=durable,
             durable_timeout_s=durable_timeout_s,
         )
-        return self._call(self._stub.EndTurn, req, "end turn")
+        extra_s = durable_timeout_s if durable else 0.0
+        return self._control.call(self._stub.EndTurn, req, "end turn", extra_s)
 
     def report_load(
         self,

@@ -60,6 +60,9 @@ SERVICE_COUNTERS = (
     "leaked_pins_released",
 )
 MAX_MESSAGE_BYTES = 4 << 20
+# A durable EndTurn answers this long before the client's deadline, so its
+# "not durable yet" reply arrives instead of a DEADLINE_EXCEEDED.
+DURABLE_REPLY_MARGIN_S = 0.25
 _DRAM, _PEER, _REMOTE = (TIER_CODES[t] for t in (TierName.DRAM, TierName.PEER, TierName.REMOTE))
 ENGINE_TIERS = (str(TierName.HBM),)  # tiers engines may report (ReportTiers), in display order
 U64_MAX = (1 << 64) - 1
@@ -390,7 +393,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "replica_target is set but this sidecar has no peers (peer_port is 0)",
                 )
-            return self._durable(request, layout, keys, local_pb2.EndTurnReply())
+            return self._durable(request, context, layout, keys, local_pb2.EndTurnReply())
         target = request.replica_target or self.peers.spill_target(request.session)
         if request.replica_target and request.replica_target not in self.peers.clients:
             raise BadRequest(
@@ -406,19 +409,27 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
             reply.pushed = push.reply.imported
             reply.push_s = push.reply.import_s
             reply.push_tail_s = push.reply.tail_s
-        return self._durable(request, layout, keys, reply)
+        return self._durable(request, context, layout, keys, reply)
 
     def _durable(
         self,
         request: local_pb2.EndTurnRequest,
+        context: grpc.ServicerContext,
         layout: KVLayout,
         keys: list[BlockKey],
         reply: local_pb2.EndTurnReply,
     ) -> local_pb2.EndTurnReply:
-        """A durable EndTurn: write the turn through, wait for the bucket (bounded)."""
+        """A durable EndTurn: write the turn through, wait for the bucket
+        (bounded by the request's wait, at most ``remote_durable_timeout_s``,
+        and by the client's own deadline, so a handler thread is never held
+        for a client that gave up: the reply then says not durable)."""
         if not request.durable:
             return reply
-        timeout_s = request.durable_timeout_s or self.config.remote.remote_durable_timeout_s
+        most_s = self.config.remote.remote_durable_timeout_s
+        timeout_s = min(request.durable_timeout_s or most_s, most_s)
+        left_s = context.time_remaining()
+        if left_s is not None:
+            timeout_s = max(0.0, min(timeout_s, left_s - DURABLE_REPLY_MARGIN_S))
         got = self.store.end_turn_remote_durable(layout, keys, timeout_s)
         reply.durable_blocks = got.durable_blocks
         reply.durable = got.durable
