@@ -20,7 +20,12 @@ variables). Reports, in one run:
   uses); which side goes first alternates by round; the figures are the
   median of ``--rounds``, every round is quoted (``rounds``). The tier does
   strictly more than raw, so a ratio above 1.05 (``baseline_ok`` false) is
-  a broken baseline, not a result;
+  a broken baseline, not a result. Next to each timed get, the CPU it
+  cost: this process's (``*_get_cpu_ms``: all its threads, the client's
+  runtime included) and, when the bench started SeaweedFS, the server's
+  (``*_get_store_cpu_ms``, 10 ms ticks): on a machine with few cores the
+  client and the server share them, and the tier's verify and copy are
+  CPU the raw client does not spend;
 - ``end_turn_to_durable_p50_s`` / ``_p99_s``: the crash window of a plain
   EndTurn (it returns once the write-through is queued; until the bucket
   holds every block of the turn a lost host loses the turn), for
@@ -60,6 +65,23 @@ from tierstore.store.tiered import TieredStore
 
 BIG = KVLayout("bench-remote", 8, 8, 128, "float16", 64)  # 2 MiB blocks
 SMALL = KVLayout("bench-remote-lookup", 2, 2, 64, "float16", 8)  # 8 KiB blocks
+STORE_PID: list[int] = []  # the SeaweedFS this bench started, if any
+
+
+def cpu_s() -> tuple[float, float]:
+    """CPU seconds so far: this process (every thread) and the S3 server
+    this bench started (0.0 when it uses a running one)."""
+    store = 0.0
+    if STORE_PID:
+        with open(f"/proc/{STORE_PID[0]}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        store = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return time.process_time(), store
+
+
+def cpu_ms(since: tuple[float, float]) -> tuple[float, float]:
+    now = cpu_s()
+    return round((now[0] - since[0]) * 1e3, 1), round((now[1] - since[1]) * 1e3, 1)
 
 
 async def warm_up(store: Any, prefix: str, concurrency: int) -> None:
@@ -100,9 +122,12 @@ def raw_store(cfg: RemoteConfig) -> tuple[Any, str]:
     return store, prefix
 
 
-def raw_gbps(cfg: RemoteConfig, n: int, nbytes: int, concurrency: int) -> tuple[float, float]:
+def raw_gbps(
+    cfg: RemoteConfig, n: int, nbytes: int, concurrency: int
+) -> tuple[float, float, tuple[float, float]]:
     """obstore alone: put then get ``n`` fresh objects of ``nbytes``,
-    ``concurrency`` at once, on a new client warmed up like the tier's."""
+    ``concurrency`` at once, on a new client warmed up like the tier's;
+    the get's CPU (``cpu_ms``)."""
     import obstore
 
     store, prefix = raw_store(cfg)
@@ -128,16 +153,21 @@ def raw_gbps(cfg: RemoteConfig, n: int, nbytes: int, concurrency: int) -> tuple[
         got = await obstore.get_async(store, paths[i])
         await got.bytes_async()
 
-    async def run() -> tuple[float, float]:
+    async def run() -> tuple[float, float, tuple[float, float]]:
         await warm_up(store, prefix, concurrency)
-        return await timed(put), await timed(get)
+        put_s = await timed(put)
+        t0 = cpu_s()
+        get_s = await timed(get)
+        return put_s, get_s, cpu_ms(t0)
 
-    put_s, get_s = asyncio.run(run())
+    put_s, get_s, get_cpu = asyncio.run(run())
     obstore.delete(store, paths)
-    return n * nbytes / put_s / 1e9, n * nbytes / get_s / 1e9
+    return n * nbytes / put_s / 1e9, n * nbytes / get_s / 1e9, get_cpu
 
 
-def tier_gbps(cfg: RemoteConfig, tmp: Path, n: int, seed: int) -> tuple[float, float, bool]:
+def tier_gbps(
+    cfg: RemoteConfig, tmp: Path, n: int, seed: int
+) -> tuple[float, float, bool, tuple[float, float]]:
     """Fresh blocks (``seed``): the bucket holds none of them, every one is
     uploaded; the tier's client gets the raw client's warm-up first."""
     rng = np.random.default_rng(seed)
@@ -157,13 +187,15 @@ def tier_gbps(cfg: RemoteConfig, tmp: Path, n: int, seed: int) -> tuple[float, f
         assert store.stat()["store"]["remote_uploads"] == n, "not every block was uploaded"
         put_s = time.perf_counter() - t0
         assert store.lookup(BIG, keys).num_hits == 0
+        c0 = cpu_s()
         t0 = time.perf_counter()
         got = store.pull_remote(BIG, keys, 600)
         get_s = time.perf_counter() - t0
+        get_cpu = cpu_ms(c0)
         exact = got == n and store.get(BIG, keys) == [b.tobytes() for b in blocks]
         store.remote.remove(BIG.fingerprint, keys)  # as raw deletes its objects
     nbytes = n * BIG.block_bytes
-    return nbytes / put_s / 1e9, nbytes / get_s / 1e9, exact
+    return nbytes / put_s / 1e9, nbytes / get_s / 1e9, exact, get_cpu
 
 
 def throughput_rounds(cfg: RemoteConfig, tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -178,13 +210,15 @@ def throughput_rounds(cfg: RemoteConfig, tmp: Path, args: argparse.Namespace) ->
         sides = ["raw", "tier"] if r % 2 == 0 else ["tier", "raw"]
         for side in sides:
             if side == "raw":
-                rp, rg = raw_gbps(
+                rp, rg, (cpu, store_cpu) = raw_gbps(
                     cfg, args.blocks, BIG.block_bytes + fmt.HEADER_BYTES, args.concurrency
                 )
                 got.update(raw_put_gbps=round(rp, 3), raw_get_gbps=round(rg, 3))
+                got.update(raw_get_cpu_ms=cpu, raw_get_store_cpu_ms=store_cpu)
             else:
-                tp, tg, ok = tier_gbps(cfg, tmp / f"r{r}", args.blocks, seed=r + 1)
+                tp, tg, ok, (cpu, store_cpu) = tier_gbps(cfg, tmp / f"r{r}", args.blocks, r + 1)
                 got.update(remote_put_gbps=round(tp, 3), remote_get_gbps=round(tg, 3), exact=ok)
+                got.update(remote_get_cpu_ms=cpu, remote_get_store_cpu_ms=store_cpu)
         got["put_ratio"] = round(got["remote_put_gbps"] / got["raw_put_gbps"], 3)
         got["get_ratio"] = round(got["remote_get_gbps"] / got["raw_get_gbps"], 3)
         rounds.append(got)
@@ -192,7 +226,10 @@ def throughput_rounds(cfg: RemoteConfig, tmp: Path, args: argparse.Namespace) ->
     out: dict[str, Any] = {
         "statistic": f"median of {args.rounds} rounds, raw and tier alternating which goes first",
     }
-    for name in ("remote_put_gbps", "raw_put_gbps", "remote_get_gbps", "raw_get_gbps"):
+    for name in (
+        "remote_put_gbps", "raw_put_gbps", "remote_get_gbps", "raw_get_gbps",
+        "remote_get_cpu_ms", "raw_get_cpu_ms", "remote_get_store_cpu_ms", "raw_get_store_cpu_ms",
+    ):  # fmt: skip
         out[name] = round(statistics.median(r[name] for r in rounds), 3)
     for name in ("put_ratio", "get_ratio"):
         out[name] = round(statistics.median(r[name] for r in rounds), 3)
@@ -287,7 +324,12 @@ def lookup_500(cfg: RemoteConfig, tmp: Path, repeats: int = 3) -> dict[str, Any]
         writer.put(SMALL, keys, blocks)
         assert writer.end_turn_remote(SMALL, keys, 500 * SMALL.block_tokens)
         assert writer.flush_remote(600)
-    out: dict[str, Any] = {}
+        c = writer.stat()["store"]
+    # What the writer got into the bucket: a run whose lookup hits 0 says why here.
+    out: dict[str, Any] = {
+        f"lookup_500_writer_{k}": c[k]
+        for k in ("remote_uploads", "remote_uploads_failed", "remote_uploads_skipped_full")
+    }
     for name, chain in (("", keys), ("_absent", absent)):
         best, waves, hits = float("inf"), 0, 0
         for _ in range(repeats):
@@ -324,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
 
         server = SeaweedFS(tmp / "seaweed")
         server.start()
+        assert server.proc is not None
+        STORE_PID.append(server.proc.pid)
         server.create_bucket(args.bucket)
         creds = tmp / "creds"
         creds.write_text(
