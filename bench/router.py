@@ -23,7 +23,6 @@ Keys are computed before timing (``chain_keys`` is measured in bench/tiers.py).
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit, sidecar
 
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.config import PeerConfig, RouterConfig
 from tierstore.keys import KVLayout, chain_keys
@@ -52,18 +52,12 @@ PROMPTS = 16
 TOKEN = "bench-router-token"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
 def run(num_hosts: int, requests: int, lag_samples: int) -> dict[str, Any]:
-    ports = [_free_port() for _ in range(num_hosts)]
+    ports = [free_port() for _ in range(num_hosts)]
     hosts = [f"127.0.0.1:{p}" for p in ports]
     peer_cfg = PeerConfig(peer_token=TOKEN)
     cfg = RouterConfig(router_hosts=tuple(hosts), router_lookup_timeout_s=2.0)

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tierstore.cli import ports
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that was free a moment ago (see tierstore.cli.ports)."""
+    return ports.free_port()
 
 
 def serve_args(socket: Path, nvme_dir: Path, dram: str, nvme: str, *extra: str) -> list[str]:

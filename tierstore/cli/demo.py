@@ -29,7 +29,6 @@ import json
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierstore.cli.ports import free_port
 from tierstore.errors import TierstoreError
 
 READY_TIMEOUT_S = 60.0
@@ -55,12 +55,6 @@ class DemoHost:
     @property
     def socket(self) -> Path:
         return self.root / "tierstore.sock"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(host: DemoHost, other: DemoHost, token: str, min_tokens: int) -> None:
@@ -109,8 +103,8 @@ def two_hosts(min_tokens: int, keep: bool = False) -> Iterator[tuple[DemoHost, D
     """Two sidecars joined as a group, stopped and removed on exit."""
     root = Path(tempfile.mkdtemp(prefix="tierstore-demo-"))
     token = secrets.token_hex(16)
-    a = DemoHost("host A", root / "a", _free_port())
-    b = DemoHost("host B", root / "b", _free_port())
+    a = DemoHost("host A", root / "a", free_port())
+    b = DemoHost("host B", root / "b", free_port())
     try:
         _start(a, b, token, min_tokens)
         _start(b, a, token, min_tokens)
