@@ -11,7 +11,9 @@ sidecar:
   serves them: vLLM's async-load path (``(n, True)``, WAITING_FOR_REMOTE_KVS,
   ``get_finished``), with another request decoding meanwhile, and with
   corrupted NVMe blocks (a verified miss: ``get_block_ids_with_load_errors``,
-  recomputed).
+  recomputed);
+- a third, whose ``async_load_timeout_s`` no load can meet, recomputes a
+  stored prefix whose background load ran past its deadline.
 
 The scheduler's counters come from the connector's ``stats_path``.
 """
@@ -54,8 +56,9 @@ def _prompt(n: int, seed: int) -> list[int]:
 P_A = _prompt(700, 11)  # 5 full blocks: 640 tokens can come from the store
 P_B = _prompt(700, 12)
 P_C = _prompt(1200, 13)  # 9 blocks
+P_D = _prompt(700, 15)  # stored, then only asked by the engine whose loads are late
 Q = _prompt(100, 14)  # no full block: never stored, never loaded (decodes meanwhile)
-PROMPTS = {"a": P_A, "b": P_B, "c": P_C, "q": Q}
+PROMPTS = {"a": P_A, "b": P_B, "c": P_C, "d": P_D, "q": Q}
 
 
 def _reusable(prompt: list[int]) -> int:
@@ -186,6 +189,25 @@ def test_another_request_keeps_decoding_while_the_load_runs(
     tokens = after["tokens_while_loading"] - before["tokens_while_loading"]
     print(f"while B loaded: {steps} steps, {tokens} tokens computed")
     assert steps >= 1 and tokens >= 1
+
+
+def test_a_load_past_its_deadline_is_recomputed(
+    model: Path, logs: Path, sidecar: SidecarProcess, cold: dict[str, Output]
+) -> None:
+    """The loader gives up on a load at ``async_load_timeout_s`` (1 us here:
+    past before the loader thread picks the load up): vLLM gets every block
+    as a load error and recomputes them, and the ids stay exact."""
+    _wait_for_memory()
+    stats = logs / "late-stats.json"
+    late = kv_transfer_config(sidecar.socket, stats_path=str(stats), async_load_timeout_s=1e-6)
+    with VllmEngine(model, late, log_path=logs / "late.log") as eng:
+        (out,), _ = eng.generate([P_D], NEW_TOKENS)
+        plan = json.loads(stats.read_text())["plan"]
+    assert plan["background_loads"] == plan["background_loads_done"] == 1
+    assert plan["load_failed_blocks"] == _reusable(P_D) // BLOCK == 5
+    assert out.num_cached_tokens == 0  # nothing came from the store
+    assert out.token_ids == cold["d"].token_ids
+    assert len(out.token_ids) == NEW_TOKENS
 
 
 def test_a_corrupt_block_on_nvme_is_a_load_error_and_recomputed(

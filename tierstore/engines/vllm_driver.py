@@ -7,11 +7,14 @@ Provides:
 - ``kv_transfer_config(socket_path, **settings)``: the TierstoreConnector's
   ``kv_transfer_config``.
 - ``VllmEngine``: starts ``python -m tierstore.engines.vllm_driver`` with a
-  model, an optional connector and more ``LLM`` arguments, and sends it requests: ``generate``
-  (greedy; token ids, ``num_cached_tokens`` and the call's time per prompt),
-  ``reset_prefix_cache`` (vLLM's own cache of this engine; not the store) and
-  ``close``. Every wait has a deadline; an engine that dies or stalls
-  raises ``EngineError`` with the tail of its log.
+  model, an optional connector and more ``LLM`` arguments, and sends it
+  requests: ``generate`` (greedy; token ids, ``num_cached_tokens`` and the
+  call's time per prompt), ``reset_prefix_cache`` (vLLM's own cache of this
+  engine; not the store) and ``close``. ``python``: another interpreter for
+  the child (a virtualenv with vLLM and another connector; the child
+  imports nothing of tierstore beyond this module, so ``PYTHONPATH`` to the
+  repository is enough). Every wait has a deadline; an engine that dies or
+  stalls raises ``EngineError`` with the tail of its log.
 
 Fresh engine processes are what "warm from another process" means, and vLLM
 wants its ``LLM`` built under a ``__main__`` guard: the child is that
@@ -130,8 +133,15 @@ class VllmEngine:
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         env: dict[str, str] | None = None,
         llm_kwargs: dict[str, Any] | None = None,
+        python: str | os.PathLike[str] | None = None,
     ) -> None:
-        args = [sys.executable, "-m", "tierstore.engines.vllm_driver", "--model", str(model)]
+        args = [
+            str(python or sys.executable),
+            "-m",
+            "tierstore.engines.vllm_driver",
+            "--model",
+            str(model),
+        ]
         if kv_transfer is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer)]
         if llm_kwargs:
