@@ -73,6 +73,7 @@ from tierstore.engines.vllm_layout import (
     request_salt,
 )
 from tierstore.engines.vllm_link import BudgetedCalls, StoreLink
+from tierstore.engines.vllm_metrics import StatsWindow, TierstoreKVStats, TierstorePromMetrics
 from tierstore.engines.vllm_plan import EndTurn, LoadSpec, Planner, SaveSpec
 from tierstore.engines.vllm_worker import ConnectorWorker, PageLayoutError
 from tierstore.errors import TierstoreError
@@ -111,6 +112,7 @@ class TierstoreConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_connector_extra_config
         )
         self.refusals: Counter[str] = Counter()
+        self.window = StatsWindow()  # vLLM's stats: see vllm_metrics
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             log.warning(
@@ -133,6 +135,7 @@ class TierstoreConnector(KVConnectorBase_V1):
             lambda r: request_salt(self.settings, r),
             session_of,
             async_loads=self.settings.async_loads,
+            count=self.window.count,
         )
         # Lookups that ask peers or the bucket run off the scheduler's thread.
         self._slow_lookups: BudgetedCalls[tuple[TierName, ...]] | None = None
@@ -150,13 +153,14 @@ class TierstoreConnector(KVConnectorBase_V1):
 
             self.worker = ConnectorWorker(
                 self.link, self.settings, self.planner.layouts_for,
-                get_tensor_model_parallel_rank(),
+                get_tensor_model_parallel_rank(), self.window,
             )  # fmt: skip
 
     def _refuse(self, reason: str, what: str) -> None:
         if not self.refusals[reason]:
             log.warning("tierstore connector: %s (%s); further ones only counted", what, reason)
         self.refusals[reason] += 1
+        self.window.count("refusals", 1, reason)
 
     # ==============================  scheduler side  ==============================
 
@@ -190,7 +194,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         return self.planner.match(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if self.disabled is None and num_external_tokens > 0:
+        if self.disabled is None:
             self.planner.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -218,6 +222,25 @@ class TierstoreConnector(KVConnectorBase_V1):
             "link": asdict(self.link.counters),
             "refusals": dict(self.refusals),
         }
+
+    # vLLM's stats: each side's window since vLLM last took it; vLLM sums the
+    # workers' and the scheduler's and feeds them to TierstorePromMetrics.
+    def get_kv_connector_stats(self) -> TierstoreKVStats | None:
+        return self.window.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TierstoreKVStats:
+        return TierstoreKVStats(data=data) if data else TierstoreKVStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TierstorePromMetrics:
+        return TierstorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _write_stats(self) -> None:
         """Rewrite ``stats_path`` when a counter changed (at most twice a step)."""

@@ -55,6 +55,8 @@ class LoaderCounters:
 class _Job:
     spec: LoadSpec
     deadline: float  # time.monotonic()
+    submitted: float = field(default_factory=time.monotonic)
+    ended: float = 0.0  # time.monotonic() when the thread finished it (under lock)
     lock: threading.Lock = field(default_factory=threading.Lock)
     got: int = 0  # blocks copied into their pages (under lock)
     cancelled: bool = False  # under lock: copy nothing more
@@ -71,11 +73,13 @@ class BackgroundLoader:
         tp_rank: int,
         copy_in: CopyIn,
         link: StoreLink | None = None,
+        on_ended: Callable[[LoadSpec, int, float], None] | None = None,
     ) -> None:
         self.settings = settings
         self.layouts_for = layouts_for
         self.tp_rank = tp_rank
         self.copy_in = copy_in
+        self.on_ended = on_ended  # (spec, blocks loaded, seconds from submit to end), in poll
         self.counters = LoaderCounters()
         self.link = link if link is not None else StoreLink(settings, "vllm-loader")
         self._queue: queue.Queue[_Job | None] = queue.Queue()
@@ -113,7 +117,10 @@ class BackgroundLoader:
                     job.cancelled = True  # the thread copies nothing more into these pages
                     self.counters.timeouts += 1
                 got = job.got
+                ended = job.ended if job.done else now
             del self._jobs[req_id]
+            if self.on_ended is not None:
+                self.on_ended(job.spec, got, ended - job.submitted)
             finished.add(req_id)
             missing = job.spec.block_ids[got:]
             failed.update(missing)
@@ -141,6 +148,7 @@ class BackgroundLoader:
             finally:
                 with job.lock:
                     job.done = True
+                    job.ended = time.monotonic()
 
     def _load(self, job: _Job) -> None:
         spec = job.spec

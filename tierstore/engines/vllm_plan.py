@@ -46,6 +46,10 @@ Lookup = Callable[[KVLayout, list[BlockKey]], Sequence[TierName] | None]
 (empty on any failure); None while the answer is not known yet (peers or the
 bucket are slow to answer): vLLM asks again at its next step."""
 
+Count = Callable[[str, int, str], None]
+"""Adds to one of the connector's metrics (name, amount, label; see
+``vllm_metrics``)."""
+
 IN_STEP_TIERS = frozenset({TierName.HBM, TierName.DRAM})
 """Tiers a load is copied from inside the step (no background load)."""
 
@@ -84,6 +88,8 @@ class _Tracked:
     stored_blocks: int = 0  # prefix the store holds (found by lookup, or saved)
     local_tokens: int = 0  # vLLM's own prefix-cache hit at the last match
     load: LoadSpec | None = None
+    tiers: Sequence[TierName] = ()  # where the stored prefix was at the last match
+    queried: bool = False  # counted in the metrics' queried tokens
     background: bool = False  # the last match is loaded in the background
     load_failed: bool = False  # a load of it failed: recompute, never match again
 
@@ -112,8 +118,10 @@ class Planner:
         salt_of: Callable[[Any], str],
         session_of: Callable[[Any], str],
         async_loads: bool = False,
+        count: Count | None = None,
     ) -> None:
         self.layouts = tuple(layouts)
+        self._count: Count = count or (lambda name, n, label: None)
         self.async_loads = async_loads
         self.counters = PlanCounters()
         self._background: list[LoadSpec] = []  # planned, not yet sent to the workers
@@ -168,6 +176,7 @@ class Planner:
             self.counters.lookups_pending += 1
             return None, False
         t.stored_blocks = len(tiers)
+        t.tiers = tiers
         t.local_tokens = num_computed_tokens
         tokens = max(0, len(tiers) * self.block_tokens - num_computed_tokens)
         beyond = tiers[num_computed_tokens // self.block_tokens :]
@@ -184,12 +193,23 @@ class Planner:
 
     def after_alloc(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
         """Plan the load of the ``num_external`` tokens matched for ``request``
-        into the blocks vLLM allocated for them."""
+        into the blocks vLLM allocated for them (called once per request
+        vLLM schedules, matched or not: the metrics count its query here)."""
+        t = self._reqs.get(request.request_id)
+        if t is None or t.request is not request:
+            return  # refused: never matched
+        bt = self.block_tokens
+        if not t.queried:  # a background load's request is allocated again once loaded
+            t.queried = True
+            self._count(
+                "queried_tokens", max(0, (request.num_tokens - 1) // bt * bt - t.local_tokens), ""
+            )
         if num_external <= 0:
             return
-        t = self._track(request)
-        start = t.local_tokens // self.block_tokens
-        end = start + num_external // self.block_tokens
+        start = t.local_tokens // bt
+        end = start + num_external // bt
+        for tier in t.tiers[start:end]:
+            self._count("hit_tokens", bt, str(tier))
         ids = tuple(block_ids[start:end])
         keys = tuple(tuple(chain[start:end]) for chain in t.keys)
         spec = LoadSpec(request.request_id, t.salt, keys, ids, t.background)
@@ -260,6 +280,7 @@ class Planner:
             for i, block_id in enumerate(t.block_ids[: t.stored_blocks]):
                 if block_id in block_ids:
                     self.counters.load_failed_blocks += t.stored_blocks - i
+                    self._count("load_error_blocks", t.stored_blocks - i, "")
                     self.counters.failed_loads += 1
                     t.stored_blocks = i
                     t.load_failed = True

@@ -29,6 +29,7 @@ background loader's copies on its own thread, into pages no step uses).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -148,6 +149,7 @@ class _Step:
     saves: list[_Reservation] = field(default_factory=list)
     layers_saved: set[int] = field(default_factory=set)
     pins: list[Any] = field(default_factory=list)  # Pinned, released at end_step
+    save_s: float = 0.0  # the saves' own time so far (reserve, copies)
 
 
 class ConnectorWorker:
@@ -159,8 +161,10 @@ class ConnectorWorker:
         settings: ConnectorSettings,
         layouts_for: Any,  # Callable[[str], tuple[KVLayout, ...]]
         tp_rank: int,
+        window: Any = None,  # vllm_metrics.StatsWindow: vLLM's stats
     ) -> None:
         self.link = link
+        self.window = window
         self.settings = settings
         self.layouts_for = layouts_for
         self.tp_rank = tp_rank
@@ -210,6 +214,7 @@ class ConnectorWorker:
         if cm is None:
             return
         client, _ = cm
+        t0 = time.perf_counter()
         try:
             for spec in saves:
                 layout = self.layouts_for(spec.salt)[self.tp_rank]
@@ -230,6 +235,7 @@ class ConnectorWorker:
         except TierstoreError as e:
             self._step.saves = []  # the sidecar drops a dead client's reservations
             self.link.failed(e)
+        self._step.save_s += time.perf_counter() - t0
 
     def load(self, loads: Sequence[LoadSpec]) -> None:
         """Pin each planned prefix and copy it into vLLM's pages, layer by
@@ -240,6 +246,7 @@ class ConnectorWorker:
                 self._background_loader().submit(spec)
                 continue
             got = 0
+            t0 = time.perf_counter()
             cm = self._client_and_mover()
             if cm is not None:
                 client, mover = cm
@@ -247,9 +254,16 @@ class ConnectorWorker:
                     got = self._load_one(client, mover, spec)
                 except TierstoreError as e:
                     self.link.failed(e)
+                self._metric_load(spec, got, time.perf_counter() - t0)
             self.counters.loaded_blocks += got
             self.counters.load_failed_blocks += len(spec.block_ids) - got
             self._load_errors.update(spec.block_ids[got:])
+
+    def _metric_load(self, spec: LoadSpec, got: int, seconds: float) -> None:
+        if self.window is not None:
+            tokens = self.layouts_for(spec.salt)[self.tp_rank].block_tokens
+            self.window.count("loaded_tokens", got * tokens)
+            self.window.time("load_seconds", seconds)
 
     def _load_one(self, client: StoreClient, mover: PageMover, spec: LoadSpec) -> int:
         assert self.paged is not None
@@ -279,8 +293,9 @@ class ConnectorWorker:
             from tierstore.engines.vllm_loader import BackgroundLoader
 
             self._loader = BackgroundLoader(
-                self.settings, self.layouts_for, self.tp_rank, self._copy_in_background
-            )
+                self.settings, self.layouts_for, self.tp_rank, self._copy_in_background,
+                on_ended=self._metric_load,
+            )  # fmt: skip
         return self._loader
 
     def _copy_in_background(
@@ -330,10 +345,12 @@ class ConnectorWorker:
         layer = self.paged.layer_index.get(layer_name)
         if layer is None or layer in self._step.layers_saved:
             return
+        t0 = time.perf_counter()
         base = layer * self.paged.layer_bytes
         for res in self._step.saves:
             self._mover.from_pages(layer, [(o + base, b) for o, b in res.pairs])
         self._step.layers_saved.add(layer)
+        self._step.save_s += time.perf_counter() - t0
 
     def end_step(self) -> None:
         """Commit the blocks whose every layer was copied (else give their
@@ -342,6 +359,8 @@ class ConnectorWorker:
         if not step.saves and not step.pins:
             return
         client = self.link.client()
+        t0 = time.perf_counter()
+        saved = 0
         try:
             if self._mover is not None:
                 self._mover.sync()
@@ -350,13 +369,18 @@ class ConnectorWorker:
                 if client is None:
                     break
                 if complete:
-                    self.counters.saved_blocks += sum(client.commit(res.layout, res.keys))
+                    n = sum(client.commit(res.layout, res.keys))
+                    self.counters.saved_blocks += n
+                    saved += n * res.layout.block_tokens
                 else:
                     self.counters.save_aborted_blocks += client.abort(res.layout, res.keys)
             for pinned in step.pins:
                 pinned.release()
         except TierstoreError as e:
             self.link.failed(e)
+        if self.window is not None and step.saves:
+            self.window.count("saved_tokens", saved)
+            self.window.time("save_seconds", step.save_s + time.perf_counter() - t0)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
