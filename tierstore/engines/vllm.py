@@ -38,6 +38,9 @@ in its scheduler process and one in each worker:
   ``get_block_ids_with_load_errors`` and vLLM recomputes them: a lost block
   costs a prefill, never a wrong token.
 
+Both sides count what they did into vLLM's connector stats, which ``vllm
+serve`` shows in its ``/metrics`` as ``vllm:tierstore_*`` (``vllm_metrics``).
+
 Keys are tierstore's chained blake3 keys over the token ids (prompt, then
 generated tokens), with a KVLayout per tensor-parallel rank from vLLM's
 config (``vllm_layout``), independent of vLLM's own block hashing. Engines
