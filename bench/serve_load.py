@@ -4,8 +4,9 @@ Provides:
 - ``Workload`` (frozen config) and ``conversations(workload)``: U users'
   deterministic scripts from one seed: a system prompt all users share, each
   user's own history, one new message per turn and the think time before it.
-- ``run_load(url, workload, ...)``: the users as concurrent asyncio tasks
-  against an OpenAI-compatible ``/v1/completions`` with streaming, each turn's
+- ``run_load(urls, workload, ...)``: the users as concurrent asyncio tasks
+  against OpenAI-compatible ``/v1/completions`` servers with streaming (a
+  ``place`` callable picks each turn's server; without it, the first), each turn's
   prompt being the conversation so far (the previous turns' outputs
   appended); every request bounded by a timeout. Returns one ``Sample`` per
   request, failures included (a user's conversation stops at its first
@@ -28,7 +29,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -82,6 +83,13 @@ class Sample:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     end_s: float | None = None
     error: str | None = None
+    host: int = 0  # index of the server that served it
+    place_s: float = 0.0  # time the placement took (a router's decision)
+
+
+Place = Callable[[int, int, list[int], list[int]], int]
+"""(user, turn, prompt ids, requests in flight per server) -> server index;
+called on a worker thread (it may block on a router's RPC)."""
 
 
 def conversations(w: Workload) -> tuple[tuple[int, ...], list[Script]]:
@@ -159,26 +167,43 @@ async def stream_completion(
         sample.error = f"{len(sample.output_ids)} output tokens, not {want}"
 
 
-async def _user(
-    http: aiohttp.ClientSession,
-    url: str,
-    w: Workload,
-    system: tuple[int, ...],
-    script: Script,
-    t0: float,
-    timeout_s: float,
-    extra_body: dict[str, Any],
-    samples: list[Sample],
-) -> int:
+@dataclass
+class _Load:
+    """What the users of one run share (on the event loop's thread)."""
+
+    urls: list[str]
+    w: Workload
+    system: tuple[int, ...]
+    t0: float
+    timeout_s: float
+    extra_body: dict[str, Any]
+    place: Place | None
+    inflight: list[int]
+    samples: list[Sample] = field(default_factory=list)
+
+
+async def _user(http: aiohttp.ClientSession, load: _Load, script: Script) -> int:
     """Run one conversation; returns the number of turns it skipped."""
-    await asyncio.sleep(max(0.0, t0 + script.start_s - time.perf_counter()))
-    context = list(system) + list(script.history)
+    w = load.w
+    await asyncio.sleep(max(0.0, load.t0 + script.start_s - time.perf_counter()))
+    context = list(load.system) + list(script.history)
     for turn, message in enumerate(script.messages):
         if turn:
             await asyncio.sleep(script.think_s[turn - 1])
         context += message
-        sample = Sample(script.user, turn, turn > 0, len(context), time.perf_counter() - t0)
-        samples.append(sample)
+        sample = Sample(script.user, turn, turn > 0, len(context), time.perf_counter() - load.t0)
+        load.samples.append(sample)
+        if load.place is not None:
+            t = time.perf_counter()
+            try:
+                sample.host = await asyncio.to_thread(
+                    load.place, script.user, turn, list(context), list(load.inflight)
+                )
+            except (ValueError, RuntimeError) as e:  # e.g. the router found no host
+                sample.error = f"placement: {type(e).__name__}: {e}"[:300]
+                return w.turns - turn - 1
+            finally:
+                sample.place_s = time.perf_counter() - t
         body = {
             "model": "m",
             "prompt": list(context),
@@ -188,14 +213,19 @@ async def _user(
             "stream": True,
             "return_token_ids": True,
             "stream_options": {"include_usage": True},
-            **extra_body,
+            **load.extra_body,
         }
         if "kv_transfer_params" in body:  # per user: a session key the connector may use
             body["kv_transfer_params"] = {
                 **body["kv_transfer_params"],
                 "session": f"u{script.user}",
             }
-        await stream_completion(http, url, body, sample, t0, timeout_s)
+        url = f"{load.urls[sample.host]}/v1/completions"
+        load.inflight[sample.host] += 1
+        try:
+            await stream_completion(http, url, body, sample, load.t0, load.timeout_s)
+        finally:
+            load.inflight[sample.host] -= 1
         if sample.error is not None:
             return w.turns - turn - 1
         context += sample.output_ids
@@ -203,28 +233,30 @@ async def _user(
 
 
 async def _run(
-    base_url: str, w: Workload, timeout_s: float, extra_body: dict[str, Any]
+    urls: list[str], w: Workload, timeout_s: float, extra_body: dict[str, Any], place: Place | None
 ) -> tuple[list[Sample], float, int]:
     system, scripts = conversations(w)
-    samples: list[Sample] = []
-    url = f"{base_url}/v1/completions"
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
-        t0 = time.perf_counter()
-        skipped = await asyncio.gather(
-            *(_user(http, url, w, system, s, t0, timeout_s, extra_body, samples) for s in scripts)
-        )
-        wall_s = time.perf_counter() - t0
-    samples.sort(key=lambda s: (s.user, s.turn))
+        load = _Load(urls, w, system, time.perf_counter(), timeout_s, extra_body, place,
+                     [0] * len(urls))  # fmt: skip
+        skipped = await asyncio.gather(*(_user(http, load, s) for s in scripts))
+        wall_s = time.perf_counter() - load.t0
+    samples = sorted(load.samples, key=lambda s: (s.user, s.turn))
     return samples, wall_s, sum(skipped)
 
 
 def run_load(
-    base_url: str, w: Workload, *, timeout_s: float, extra_body: dict[str, Any] | None = None
+    urls: list[str],
+    w: Workload,
+    *,
+    timeout_s: float,
+    extra_body: dict[str, Any] | None = None,
+    place: Place | None = None,
 ) -> tuple[list[Sample], float, int]:
-    """Every user's conversation against ``base_url``: the samples (sorted by
+    """Every user's conversation against ``urls``: the samples (sorted by
     user, turn), the load's wall seconds and the turns skipped after failures."""
-    return asyncio.run(_run(base_url, w, timeout_s, extra_body or {}))
+    return asyncio.run(_run(urls, w, timeout_s, extra_body or {}, place))
 
 
 # -- statistics -----------------------------------------------------------------------
