@@ -97,6 +97,7 @@ from serve_engine import (  # noqa: E402
     ModeSetup,
     Sizing,
     api_server,
+    log_excerpt,
     prompt_sources,
     sizing,
     source_figures,
@@ -179,14 +180,22 @@ def run_mode(
         samples, wall_s, skipped = run_load(
             urls, w, timeout_s=timeout_s, extra_body=m.setups[0].extra_body, place=m.place
         )
-        after = _sum([prompt_sources(u) for u in urls])
+        lost = ""
+        try:
+            after = _sum([prompt_sources(u) for u in urls])
+        except OSError as e:  # a server died during the load: keep what the clients saw
+            logs = sorted((tmp / mode).glob("server*.log"))
+            lost = f"{type(e).__name__}: {e}\n" + "\n".join(log_excerpt(g) for g in logs)
         hits_after = _sum([stat() for stat in stats])
         placement = m.describe() if m.describe else None
     out = summarize(samples, wall_s, skipped)
     out["servers"] = len(urls)
     out["servers_start_s"] = round(start_s, 1)
     out["kv_cache_blocks"] = m.setups[0].kv_cache_blocks or size.kv_cache_blocks
-    out |= source_figures(before, after, hits_before, hits_after)
+    if lost:
+        out["server_lost"] = lost
+    else:
+        out |= source_figures(before, after, hits_before, hits_after)
     if placement is not None:
         out["placement"] = placement
     out["outputs"] = {(s.user, s.turn): s.output_ids for s in samples if s.error is None}
@@ -314,8 +323,11 @@ def main() -> None:
         for mode in modes:
             try:
                 r = run_mode(mode, model, tmp, w, size, args)
-            except Exception as e:
+            except Exception as e:  # reported, and the other modes still run
                 why = f"{type(e).__name__}: {e}"[: 2 * LOG_TAIL_CHARS]
+                for log in sorted((tmp / mode).glob("server*.log")):
+                    if "first errors:" not in why:  # a server that died after it started
+                        why += f"\n{log.name}: {log_excerpt(log)}"
                 result["modes"][mode] = {"error": why}
                 print(f"vllm_serve: mode {mode} failed: {why}", file=sys.stderr)
                 continue
