@@ -144,15 +144,17 @@ def api_server(
             time.sleep(POLL_S)
         yield url
     finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(SERVER_STOP_S)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(SERVER_STOP_S)
+        # the whole group, even when the api_server itself is gone: its engine core and
+        # workers are in it and may outlive it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(SERVER_STOP_S)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what SIGTERM left, if anything
+        proc.wait(SERVER_STOP_S)
 
 
 def log_excerpt(log_path: Path, max_errors: int = 6) -> str:
