@@ -125,3 +125,28 @@ def test_output_mismatches() -> None:
     assert output_mismatches({(0, 0): [1, 2]}, {(0, 0): [1]}) == [
         {"user": 0, "turn": 0, "first_diff_index": 1}
     ]
+
+
+def test_sizing_keeps_vllms_cache_below_the_workload_and_the_stores_above() -> None:
+    from serve_engine import BLOCK_BYTES, BLOCK_TOKENS, sizing
+
+    w = Workload(users=8, turns=3, history_min_tokens=1024, history_max_tokens=4096)
+    s = sizing(w, kv_cache_share=0.25)
+    _, scripts = conversations(w)
+    longest = max(w.final_context_tokens(len(x.history)) for x in scripts)
+    assert s.max_model_len >= longest and s.max_model_len % BLOCK_TOKENS == 0
+    assert 2 * s.max_model_len // BLOCK_TOKENS <= s.kv_cache_blocks < s.workload_blocks
+    assert s.kv_cache_bytes == s.kv_cache_blocks * BLOCK_BYTES
+    assert s.store_bytes >= s.workload_blocks * BLOCK_BYTES
+    assert s.full_kv_cache_blocks > s.workload_blocks
+
+
+def test_mismatch_counts_split_first_and_returning_turns() -> None:
+    from vllm_serve import mismatch_counts
+
+    bad = [
+        {"user": 0, "turn": 0, "first_diff_index": 3},
+        {"user": 1, "turn": 2, "first_diff_index": 0},
+    ]
+    got = mismatch_counts(bad, {(0, 0): [1], (1, 2): [2]}, 6)
+    assert got == {"compared": 6, "answered": 2, "first_turns": 1, "returning_turns": 1}
