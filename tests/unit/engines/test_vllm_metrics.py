@@ -133,3 +133,31 @@ def test_prometheus_shows_each_metric_under_its_documented_name() -> None:
     assert value("vllm:tierstore_load_seconds_count", labels) == 4
     assert value("vllm:tierstore_load_seconds_bucket", {**labels, "le": "0.005"}) == 2
     assert value("vllm:tierstore_save_seconds_count", labels) == 0
+
+
+def test_kv_events_are_one_block_stored_per_run_of_held_blocks() -> None:
+    from tierstore.engines.vllm_events import TierstoreKVEvents, stored_events
+    from tierstore.engines.vllm_plan import SaveSpec
+
+    hashes = tuple(bytes([i]) * 32 for i in range(1, 5))
+    spec = SaveSpec("r", "", ((),), (7, 8, 9, 10), hashes, b"\x00" * 32, tuple(range(4 * BT)))
+    events = stored_events([(spec, [0, 1, 3])], BT)  # position 2 was not stored
+    assert len(events) == 2
+    first, second = events
+    assert len(first.block_hashes) == 2 and len(second.block_hashes) == 1
+    assert first.token_ids == list(range(2 * BT))
+    assert second.token_ids == list(range(3 * BT, 4 * BT))
+    # the second run's parent is the block before it (position 2), not the first run's last
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    assert second.parent_block_hash == maybe_convert_block_hash(hashes[2])
+    assert first.parent_block_hash == maybe_convert_block_hash(b"\x00" * 32)
+    assert {e.medium for e in events} == {"CPU"} and {e.block_size for e in events} == {BT}
+    # vLLM keeps only what every worker emitted: two ranks, one of them with less.
+    both = TierstoreKVEvents(1)
+    both.add_events(events)
+    other = TierstoreKVEvents(1)
+    other.add_events(events[:1])
+    both.add_events(other.get_all_events())
+    both.increment_workers(1)
+    assert both.aggregate().get_all_events() == events[:1]
