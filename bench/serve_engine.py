@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,7 +162,10 @@ def log_excerpt(log_path: Path, max_errors: int = 6) -> str:
     """A failed server's first error lines (the root cause; vLLM's last lines are
     the engine core's generic 'initialization failed') and its tail."""
     text = log_path.read_text(errors="replace")
-    errors = [ln for ln in text.splitlines() if "Error" in ln or "ERROR" in ln][:max_errors]
+    lines = text.splitlines()
+    # exception lines of ERROR records first (vLLM also warns with "Error" in benign lines)
+    raised = [ln for ln in lines if " ERROR " in ln and re.search(r"\w(Error|Exception): ", ln)]
+    errors = (raised or [ln for ln in lines if "Error" in ln or "ERROR" in ln])[:max_errors]
     return "first errors:\n" + "\n".join(errors) + "\n...\ntail:\n" + text[-LOG_TAIL_CHARS:]
 
 
