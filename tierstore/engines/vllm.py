@@ -130,6 +130,7 @@ class TierstoreConnector(KVConnectorBase_V1):
                 "to prefill it instead",
                 policy,
             )
+        self.worker: ConnectorWorker | None = None
         self.disabled = engine_refusal(vllm_config, kv_cache_config)
         if self.disabled is not None:
             self._refuse(f"engine: {self.disabled}", "the KV store is off for this engine")
@@ -154,7 +155,6 @@ class TierstoreConnector(KVConnectorBase_V1):
                 self.settings.lookup_budget_s, self.settings.call_timeout_s
             )
         self._stats_written: dict[str, Any] | None = None
-        self.worker: ConnectorWorker | None = None
         # Connect now, not in the first request's time to first token (attach,
         # arena mapping); a sidecar that is not there only starts the retry clock.
         self.link.client()

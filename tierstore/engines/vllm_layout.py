@@ -9,8 +9,10 @@ Provides:
   and ``kv_cache_config.kv_cache_layout``), so CPU- and GPU-layout blocks,
   or two models, never share a key.
 - ``engine_refusal(...)``: why an engine's KV cannot be restored by prefix
-  (hybrid or sliding-window layers, pages that are not K+V of full
-  attention, pipeline parallelism), or None.
+  (more than one KV cache group, chunked attention, pages that are not K+V
+  of full attention, pipeline parallelism), or None. Sliding-window layers
+  are served: without ``SupportsHMA`` vLLM keeps them in one full-attention
+  group with every token's KV.
 - ``request_refusal(request)``: why one request's KV cannot (multimodal
   inputs, LoRA, prompt embeddings), or None.
 - ``request_salt(settings, request)``: the tenant salt of a request's keys
@@ -114,8 +116,12 @@ def engine_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
         return f"layers of kind {type(spec).__name__}, not full attention"
     if isinstance(spec, MLAAttentionSpec):
         return "MLA (pages hold one latent per token, not K and V)"
-    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-        return "sliding-window or chunked attention"
+    # A sliding window inside one full-attention group is vLLM without its hybrid
+    # KV cache manager (a connector without SupportsHMA turns it off): every
+    # layer keeps every token's KV, the window only masks the attention, so a
+    # stored prefix restores exactly. Chunked attention is still refused.
+    if getattr(spec, "attention_chunk_size", None):
+        return "chunked attention"
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         return "pipeline parallelism (each rank holds some layers)"
     if _dtype_name(spec.dtype) not in DTYPE_BYTES:

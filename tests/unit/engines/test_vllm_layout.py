@@ -84,6 +84,10 @@ def test_what_cannot_be_restored_by_prefix_is_refused() -> None:
     )
     assert "hybrid" in str(engine_refusal(cfg, kv_config(full(), window)))
     assert "SlidingWindowSpec" in str(engine_refusal(cfg, kv_config(window)))
+    # vLLM without its hybrid manager: sliding layers in one full-attention group
+    # keep every token's KV, so they restore exactly; chunked attention does not.
+    assert engine_refusal(cfg, kv_config(full(sliding_window=512))) is None
+    assert "chunked" in str(engine_refusal(cfg, kv_config(full(attention_chunk_size=1024))))
     assert "pipeline" in str(engine_refusal(vllm_config(pp=2), kv_config(full())))
     assert "head sizes" in str(engine_refusal(cfg, kv_config(full(head_size_v=32))))
     mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
