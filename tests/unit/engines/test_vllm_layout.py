@@ -92,3 +92,40 @@ def test_what_cannot_be_restored_by_prefix_is_refused() -> None:
     assert "head sizes" in str(engine_refusal(cfg, kv_config(full(head_size_v=32))))
     mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     assert "MLA" in str(engine_refusal(cfg, kv_config(mla)))
+
+
+def test_a_refused_engine_runs_without_the_store_on_every_connector_hook() -> None:
+    """A refusal turns the connector off; every hook vLLM calls on either
+    side must then answer as "nothing", never raise (a sliding-window model
+    once died at start in register_kv_caches)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tierstore.engines.vllm import TierstoreConnector, TierstoreConnectorMetadata
+
+    cfg = vllm_config()
+    cfg.kv_transfer_config = KVTransferConfig(
+        kv_connector="TierstoreConnector", kv_role="kv_both",
+        kv_connector_extra_config={"socket_path": "/nonexistent/tierstore.sock"},
+    )  # fmt: skip
+    mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        c = TierstoreConnector(cfg, role, kv_config(mla))
+        assert c.disabled is not None and "MLA" in c.disabled
+        assert c.refusals == {f"engine: {c.disabled}": 1}
+        c.register_kv_caches({})
+        c.bind_connector_metadata(TierstoreConnectorMetadata())
+        c.start_load_kv(None)
+        c.wait_for_layer_load(LAYERS[0])
+        c.save_kv_layer(LAYERS[0], torch.zeros(1), None)
+        c.wait_for_save()
+        assert c.get_finished(set()) == (None, None)
+        assert c.get_block_ids_with_load_errors() == set()
+        assert c.get_num_new_matched_tokens(SimpleNamespace(), 0) == (0, False)
+        assert isinstance(c.build_connector_meta(None), TierstoreConnectorMetadata)
+        assert list(c.take_events()) == []
+        assert c.get_kv_connector_kv_cache_events() is None
+        stats = c.get_kv_connector_stats()
+        assert stats is not None and stats.data["counters"] == {f"refusals|engine: {c.disabled}": 1}
+        assert c.request_finished(SimpleNamespace(), []) == (False, None)
+        c.shutdown()
