@@ -114,6 +114,7 @@ VLLM_MODES = [
     ("warm_nvme_ttft_s", "warm: tierstore NVMe", "#55a868"),
     ("warm_peer_ttft_s", "warm: peer sidecar", "#8172b2"),
     ("example_warm_ttft_s", "warm: vLLM ExampleConnector", "#c44e52"),
+    ("lmcache_warm_ttft_s", "warm: LMCache (MP server)", "#dd8452"),
 ]
 
 
