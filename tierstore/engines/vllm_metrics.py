@@ -15,7 +15,9 @@ Metrics (each also carries vLLM's ``model_name`` and ``engine`` labels;
 counters get Prometheus's ``_total`` suffix):
 
 - ``vllm:tierstore_hit_tokens{tier}``: prompt tokens vLLM took from the
-  store, by the tier that held them (dram, nvme, peer, remote);
+  store, by the tier that held them (dram, nvme, peer, remote), counted
+  when vLLM allocates their blocks (a load that then fails is also in
+  ``load_error_blocks``);
 - ``vllm:tierstore_queried_tokens``: prompt tokens the connector asked the
   store about (beyond vLLM's own prefix cache hit; its hit share is
   ``hit_tokens / queried_tokens``);
