@@ -9,8 +9,9 @@ import argparse
 import dataclasses
 import json
 import logging
+import signal
 import sys
-import time
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -334,9 +335,14 @@ def cmd_stat(args: argparse.Namespace) -> int:
     from tierstore.v1 import local_pb2, local_pb2_grpc
 
     socket_path = args.socket or load_config(args.config).server.socket_path
+    # --watch ends at Ctrl-C (SIGINT) between two refreshes: a KeyboardInterrupt
+    # raised inside a gRPC call can leave the channel's threads hanging at exit.
+    stop = threading.Event()
+    if args.watch:
+        signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
     with grpc.insecure_channel(f"unix:{socket_path}") as channel:
         stub = local_pb2_grpc.LocalServiceStub(channel)
-        while True:
+        while not stop.is_set():
             try:
                 reply = stub.Stat(local_pb2.StatRequest(), timeout=args.timeout)
             except grpc.RpcError as e:
@@ -355,7 +361,8 @@ def cmd_stat(args: argparse.Namespace) -> int:
                 print(format_stat(stat), flush=True)
             if not args.watch:
                 return 0
-            time.sleep(args.watch)
+            stop.wait(args.watch)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
