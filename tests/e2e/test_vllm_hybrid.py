@@ -13,7 +13,6 @@ keeps only the window's blocks of the sliding layers: the same attention).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,23 +48,16 @@ def tiny_gemma3(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(tmp_path_factory.mktemp("sidecar"), dram="64MiB", nvme="64MiB")
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-def test_sliding_window_layers_restore_exactly(tmp_path: Path, sidecar: SidecarProcess) -> None:
+def test_sliding_window_layers_restore_exactly(
+    tmp_path: Path, vllm_sidecar: SidecarProcess
+) -> None:
     model = tiny_gemma3(tmp_path / "gemma3")
     with VllmEngine(model, None, log_path=tmp_path / "alone.log") as e:
         (alone,), _ = e.generate([PROMPT], NEW_TOKENS, ignore_eos=True)
-    transfer = kv_transfer_config(sidecar.socket)
+    transfer = kv_transfer_config(vllm_sidecar.socket)
     with VllmEngine(model, transfer, log_path=tmp_path / "cold.log") as e:
         (cold,), _ = e.generate([PROMPT], NEW_TOKENS, ignore_eos=True)
-    with StoreClient(str(sidecar.socket)) as c:
+    with StoreClient(str(vllm_sidecar.socket)) as c:
         stored = next(t.num_blocks for t in c.stat().tiers if t.name == "dram")
     assert stored == 5
     with VllmEngine(model, transfer, log_path=tmp_path / "warm.log") as e:

@@ -25,7 +25,6 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
 from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,13 @@ from tierstore.engines.vllm_driver import kv_transfer_config, tiny_llama
 from tierstore.keys import KVLayout, chain_keys
 
 from ..integration.sidecar import SidecarProcess
-from .vllm_server import BLOCK, api_server, complete, http, metrics
+from .vllm_server import (
+    BLOCK,
+    api_server,
+    complete,
+    http,
+    metrics,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -84,32 +89,23 @@ def stream(url: str, prompt: list[int], stop_after: int | None, out: dict[str, A
     out["ids"] = ids
 
 
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(tmp_path_factory.mktemp("sidecar"), dram="64MiB", nvme="64MiB")
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
 def test_preempted_and_aborted_requests_leave_nothing_pinned_and_store_only_exact_blocks(
-    tmp_path: Path, sidecar: SidecarProcess
+    tmp_path: Path, vllm_sidecar: SidecarProcess
 ) -> None:
     model = tiny_llama(tmp_path / "model")
-    transfer = kv_transfer_config(sidecar.socket)
+    transfer = kv_transfer_config(vllm_sidecar.socket)
     flags = ("--kv-cache-memory-bytes", str(KV_CACHE_BLOCKS * BLOCK_BYTES),
              "--max-num-seqs", str(USERS), "--max-model-len", "1024")  # fmt: skip
     with api_server(model, transfer, tmp_path / "server.log", *flags) as url:
-        first = concurrent(url, sidecar)
-        with StoreClient(str(sidecar.socket)) as c:  # the stored blocks go to NVMe
+        first = concurrent(url, vllm_sidecar)
+        with StoreClient(str(vllm_sidecar.socket)) as c:  # the stored blocks go to NVMe
             filler = KVLayout("filler", 4, 2, 64, "bfloat16", BLOCK)
             n = (64 << 20) * 3 // 2 // BLOCK_BYTES
             keys = chain_keys(filler, list(range(n * BLOCK)))
             for lo in range(0, n, 16):
                 assert all(c.store(filler, keys[lo : lo + 16], bytearray(16 * BLOCK_BYTES)))
         http(f"{url}/reset_prefix_cache", {})
-        second = concurrent(url, sidecar)
+        second = concurrent(url, vllm_sidecar)
         assert hit_tokens(url, "nvme") > 0  # the second run's loads ran in the background
         preempted = metrics(url).get(("vllm:num_preemptions_total", ""), 0.0)
         assert preempted >= 2, "vLLM did not preempt in both runs: the test did not test it"
@@ -139,7 +135,7 @@ def hit_tokens(url: str, tier: str = "") -> float:
     return sum(v for (name, t), v in got.items() if name.endswith("_total") and tier in ("", t))
 
 
-def concurrent(url: str, sidecar: SidecarProcess) -> list[list[int]]:
+def concurrent(url: str, vllm_sidecar: SidecarProcess) -> list[list[int]]:
     """The six streams at once (two closed early); their ids, once every
     pin in the sidecar is released (bounded wait)."""
     outs: list[dict[str, Any]] = [{} for _ in range(USERS)]
@@ -155,7 +151,7 @@ def concurrent(url: str, sidecar: SidecarProcess) -> list[list[int]]:
     assert [o.get("error") for o in outs] == [None] * USERS
     assert all(len(outs[u]["ids"]) < NEW_TOKENS for u in ABORTED)
     deadline = time.monotonic() + 30
-    with StoreClient(str(sidecar.socket)) as c:
+    with StoreClient(str(vllm_sidecar.socket)) as c:
         while (pins := sum(cl.pins for cl in c.stat().clients)) and time.monotonic() < deadline:
             time.sleep(0.2)
     assert pins == 0, f"{pins} blocks still pinned after the requests ended"

@@ -19,7 +19,6 @@ import json
 import random
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,13 @@ from tierstore.cli.ports import free_port
 from tierstore.engines.vllm_driver import kv_transfer_config, tiny_llama
 
 from ..integration.sidecar import SidecarProcess
-from .vllm_server import BLOCK, api_server, complete, http, metrics
+from .vllm_server import (
+    BLOCK,
+    api_server,
+    complete,
+    http,
+    metrics,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -95,20 +100,11 @@ def settled(url: str, name: str, want: float, timeout_s: float = 20.0) -> dict[A
         time.sleep(0.25)
 
 
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(tmp_path_factory.mktemp("sidecar"), dram="64MiB", nvme="64MiB")
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
 def test_vllm_serve_metrics_show_the_store_hits_loads_and_saves(
-    tmp_path: Path, sidecar: SidecarProcess
+    tmp_path: Path, vllm_sidecar: SidecarProcess
 ) -> None:
     model = tiny_llama(tmp_path / "model")
-    transfer = kv_transfer_config(sidecar.socket)
+    transfer = kv_transfer_config(vllm_sidecar.socket)
     port = free_port()
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq",
                      "endpoint": f"tcp://127.0.0.1:{port}"}  # fmt: skip

@@ -19,7 +19,6 @@ random model (measured); exactness is against the same TP.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,28 +37,21 @@ NEW_TOKENS = 32
 TP2 = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-@pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(tmp_path_factory.mktemp("sidecar"), dram="64MiB", nvme="64MiB")
-    try:
-        yield proc
-    finally:
-        proc.stop()
-
-
-def _dram_blocks(sidecar: SidecarProcess) -> int:
-    with StoreClient(str(sidecar.socket)) as c:
+def _dram_blocks(vllm_sidecar: SidecarProcess) -> int:
+    with StoreClient(str(vllm_sidecar.socket)) as c:
         return next(t.num_blocks for t in c.stat().tiers if t.name == "dram")
 
 
-def test_each_rank_stores_and_loads_its_own_layout(tmp_path: Path, sidecar: SidecarProcess) -> None:
+def test_each_rank_stores_and_loads_its_own_layout(
+    tmp_path: Path, vllm_sidecar: SidecarProcess
+) -> None:
     model = tiny_llama(tmp_path / "model")
-    transfer = kv_transfer_config(sidecar.socket)
+    transfer = kv_transfer_config(vllm_sidecar.socket)
     tp2 = {"tensor_parallel_size": 2}
     with VllmEngine(model, transfer, llm_kwargs=tp2, env=TP2, log_path=tmp_path / "cold.log") as e:
         (cold,), _ = e.generate([PROMPT], NEW_TOKENS, ignore_eos=True)
     assert cold.num_cached_tokens == 0 and len(cold.token_ids) == NEW_TOKENS
-    assert _dram_blocks(sidecar) == 2 * 5  # one chain per rank
+    assert _dram_blocks(vllm_sidecar) == 2 * 5  # one chain per rank
     with VllmEngine(model, transfer, llm_kwargs=tp2, env=TP2, log_path=tmp_path / "warm.log") as e:
         (warm,), _ = e.generate([PROMPT], NEW_TOKENS, ignore_eos=True)
     assert warm.num_cached_tokens == 640
@@ -67,4 +59,4 @@ def test_each_rank_stores_and_loads_its_own_layout(tmp_path: Path, sidecar: Side
     with VllmEngine(model, transfer, log_path=tmp_path / "tp1.log") as e:
         (tp1,), _ = e.generate([PROMPT], NEW_TOKENS, ignore_eos=True)
     assert tp1.num_cached_tokens == 0  # TP=2 ranks' blocks are not a TP=1 engine's
-    assert _dram_blocks(sidecar) == 2 * 5 + 5  # TP=1 saved its own
+    assert _dram_blocks(vllm_sidecar) == 2 * 5 + 5  # TP=1 saved its own
