@@ -18,7 +18,7 @@ Provides:
 The vLLM engine that uses LMCache must run from the virtualenv's python too
 (``lmcache_python()``): LMCache is not installed in tierstore's environment
 (it pulls protobuf 6 and grpcio 1.78, below tierstore's needs). The repo's
-``tierstore.engines.vllm_driver`` child needs only vllm, torch and
+``tierstore.engines.vllm.driver`` child needs only vllm, torch and
 transformers, which the virtualenv has: with ``PYTHONPATH=<repo root>`` it
 runs there as well.
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from serve_load import Place, Workload, conversations, parse_metrics  # noqa: E402
 
 from tierstore.cli.ports import free_port  # noqa: E402
-from tierstore.engines.vllm_driver import WIDE_KV  # noqa: E402
+from tierstore.engines.vllm.driver import WIDE_KV  # noqa: E402
 
 BLOCK_TOKENS = 128
 BLOCK_BYTES = (

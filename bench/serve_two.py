@@ -43,7 +43,7 @@ from common import sidecar
 from serve_engine import BLOCK_BYTES, BLOCK_TOKENS, Mode, ModeSetup, Sizing, tier_hits
 
 from tierstore.cli.ports import free_port
-from tierstore.engines.vllm_driver import kv_transfer_config
+from tierstore.engines.vllm.driver import kv_transfer_config
 from tierstore.keys import KVLayout, chain_keys
 
 PEER_TOKEN = "bench-serve"
@@ -67,8 +67,8 @@ def candidate_layouts(model: Path) -> list[KVLayout]:
     """The layouts the connector may use for ``model`` (see the docstring)."""
     from transformers import AutoConfig
 
-    from tierstore.engines.vllm_driver import WIDE_KV
-    from tierstore.engines.vllm_layout import _config_hash
+    from tierstore.engines.vllm.driver import WIDE_KV
+    from tierstore.engines.vllm.layout import _config_hash
 
     cfg = _config_hash(AutoConfig.from_pretrained(model), "bfloat16")
     return [

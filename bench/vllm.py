@@ -6,7 +6,7 @@
 A random-weight Llama (4 layers, hidden 256, 2 KV heads, bf16; nothing is
 downloaded; 2 KiB of KV a token) served by vLLM's CPU build in eager mode,
 two sidecars A and B in a peer group. With ``--wide-kv``, the Llama of
-``vllm_driver.WIDE_KV`` instead: an 8B model's KV per token (24 layers, 8
+``vllm.driver.WIDE_KV`` instead: an 8B model's KV per token (24 layers, 8
 KV heads of 128: 96 KiB a token, 12 MiB a block) with the compute of a
 256-wide model, the tiers sized to hold every prompt. Every engine runs
 with the same core reservation (``VllmEngine`` pins
@@ -76,7 +76,7 @@ from dataclasses import dataclass, field  # noqa: E402
 from common import GB, emit, memcpy_gbps, sidecar  # noqa: E402
 
 from tierstore.client import StoreClient  # noqa: E402
-from tierstore.engines.vllm_driver import (  # noqa: E402
+from tierstore.engines.vllm.driver import (  # noqa: E402
     WIDE_KV,
     EngineError,
     VllmEngine,
@@ -227,10 +227,10 @@ def save_path_s(socket: Path, n: int, spec: ModelSpec, reps: int = 5) -> float:
     """The connector's work for one cold prompt of ``n`` tokens (see the docstring)."""
     import torch
 
-    from tierstore.engines.vllm_layout import ConnectorSettings
-    from tierstore.engines.vllm_link import StoreLink
-    from tierstore.engines.vllm_plan import SaveSpec
-    from tierstore.engines.vllm_worker import ConnectorWorker
+    from tierstore.engines.vllm.layout import ConnectorSettings
+    from tierstore.engines.vllm.link import StoreLink
+    from tierstore.engines.vllm.plan import SaveSpec
+    from tierstore.engines.vllm.worker import ConnectorWorker
 
     layout = spec.layout("bench-save-path")
     names = [f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)]

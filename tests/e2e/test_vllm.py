@@ -48,7 +48,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
 from tierstore.client import StoreClient
-from tierstore.engines.vllm_driver import (
+from tierstore.engines.vllm.driver import (
     WIDE_KV,
     Output,
     VllmEngine,

@@ -5,7 +5,7 @@ sidecar:
 
 - ``w`` on the sidecar computes every prompt cold (its ids are the
   reference; with one reserved core for every engine, a connector engine's
-  cold ids are vLLM alone's, see vllm_driver) and saves their blocks;
+  cold ids are vLLM alone's, see vllm.driver) and saves their blocks;
 - a filler of another layout then pushes those blocks out of DRAM to NVMe;
 - ``l``, a fresh process (empty prefix cache) with background loads on,
   serves them: vLLM's async-load path (``(n, True)``, WAITING_FOR_REMOTE_KVS,
@@ -33,7 +33,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
 from tierstore.client import StoreClient
-from tierstore.engines.vllm_driver import Output, VllmEngine, kv_transfer_config, tiny_llama
+from tierstore.engines.vllm.driver import Output, VllmEngine, kv_transfer_config, tiny_llama
 from tierstore.keys import KVLayout, chain_keys
 
 from ..integration.sidecar import SidecarProcess

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
 from tierstore.client import StoreClient
-from tierstore.engines.vllm_driver import VllmEngine, kv_transfer_config
+from tierstore.engines.vllm.driver import VllmEngine, kv_transfer_config
 
 from ..integration.sidecar import SidecarProcess
 

@@ -35,7 +35,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
 from tierstore.client import StoreClient
-from tierstore.engines.vllm_driver import kv_transfer_config, tiny_llama
+from tierstore.engines.vllm.driver import kv_transfer_config, tiny_llama
 from tierstore.keys import KVLayout, chain_keys
 
 from ..integration.sidecar import SidecarProcess

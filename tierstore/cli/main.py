@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
-        from tierstore.engines.vllm_demo import main as vllm_demo_main
+        from tierstore.engines.vllm.demo import main as vllm_demo_main
 
         return vllm_demo_main(args)
     from tierstore.cli.demo import main as demo_main

@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]')")
 
-from tierstore.engines.vllm_layout import ConnectorSettings, request_salt
-from tierstore.engines.vllm_link import BudgetedCalls
-from tierstore.engines.vllm_loader import BackgroundLoader
-from tierstore.engines.vllm_plan import LoadSpec, Planner
+from tierstore.engines.vllm.layout import ConnectorSettings, request_salt
+from tierstore.engines.vllm.link import BudgetedCalls
+from tierstore.engines.vllm.loader import BackgroundLoader
+from tierstore.engines.vllm.plan import LoadSpec, Planner
 from tierstore.errors import TierstoreError
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.tiers import TierName

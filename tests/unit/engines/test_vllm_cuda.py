@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierstore.engines.vllm_worker import PagedKV
+from tierstore.engines.vllm.worker import PagedKV
 
 pytestmark = pytest.mark.cuda
 
@@ -28,7 +28,7 @@ def device_caches(fill: float | None = None) -> dict[str, torch.Tensor]:
 
 
 def mover_for(caches: dict[str, torch.Tensor], arena: torch.Tensor | None = None):
-    from tierstore.engines.vllm_cuda import CudaPageMover
+    from tierstore.engines.vllm.cuda import CudaPageMover
 
     if arena is None:
         arena = torch.zeros(BLOCKS * len(LAYERS) * LAYER_BYTES, dtype=torch.uint8)

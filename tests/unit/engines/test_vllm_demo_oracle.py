@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from tierstore.engines.vllm_demo import (
+from tierstore.engines.vllm.demo import (
     ROUNDING_NOTE,
     DemoError,
     compare_outputs,
     first_difference,
     format_result,
 )
-from tierstore.engines.vllm_driver import Output
+from tierstore.engines.vllm.driver import Output
 
 IDS = list(range(100, 132))  # 32 greedy tokens
 TURNS = [0, 768]  # tokens A's turns reused from its own cache

@@ -19,7 +19,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from tierstore.engines.vllm_layout import ConnectorSettings, engine_layouts, engine_refusal
+from tierstore.engines.vllm.layout import ConnectorSettings, engine_layouts, engine_refusal
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 

@@ -11,15 +11,15 @@ pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]')")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tierstore.engines.vllm import session_of
-from tierstore.engines.vllm_layout import request_salt
-from tierstore.engines.vllm_metrics import (
+from tierstore.engines.vllm.connector import session_of
+from tierstore.engines.vllm.layout import request_salt
+from tierstore.engines.vllm.metrics import (
     MAX_SAMPLES,
     StatsWindow,
     TierstoreKVStats,
     TierstorePromMetrics,
 )
-from tierstore.engines.vllm_plan import Planner
+from tierstore.engines.vllm.plan import Planner
 from tierstore.tiers import TierName
 
 from .test_vllm_plan import BT, LAYOUTS, SETTINGS, FakeStore, blocks, request, toks
@@ -136,8 +136,8 @@ def test_prometheus_shows_each_metric_under_its_documented_name() -> None:
 
 
 def test_kv_events_are_one_block_stored_per_run_of_held_blocks() -> None:
-    from tierstore.engines.vllm_events import TierstoreKVEvents, stored_events
-    from tierstore.engines.vllm_plan import SaveSpec
+    from tierstore.engines.vllm.events import TierstoreKVEvents, stored_events
+    from tierstore.engines.vllm.plan import SaveSpec
 
     hashes = tuple(bytes([i]) * 32 for i in range(1, 5))
     spec = SaveSpec("r", "", ((),), (7, 8, 9, 10), hashes, b"\x00" * 32, tuple(range(4 * BT)))

@@ -16,9 +16,9 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
-from tierstore.engines.vllm import session_of
-from tierstore.engines.vllm_layout import ConnectorSettings, request_refusal, request_salt
-from tierstore.engines.vllm_plan import Planner
+from tierstore.engines.vllm.connector import session_of
+from tierstore.engines.vllm.layout import ConnectorSettings, request_refusal, request_salt
+from tierstore.engines.vllm.plan import Planner
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.tiers import TierName
 

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tierstore.client import StoreClient
-from tierstore.engines.vllm_layout import ConnectorSettings
-from tierstore.engines.vllm_link import StoreLink
-from tierstore.engines.vllm_plan import LoadSpec
+from tierstore.engines.vllm.layout import ConnectorSettings
+from tierstore.engines.vllm.link import StoreLink
+from tierstore.engines.vllm.plan import LoadSpec
 from tierstore.errors import TierstoreError
 from tierstore.keys import KVLayout
 

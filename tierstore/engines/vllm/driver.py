@@ -6,7 +6,7 @@ Provides:
   an 8B model's KV per token.
 - ``kv_transfer_config(socket_path, **settings)``: the TierstoreConnector's
   ``kv_transfer_config``.
-- ``VllmEngine``: starts ``python -m tierstore.engines.vllm_driver`` with a
+- ``VllmEngine``: starts ``python -m tierstore.engines.vllm.driver`` with a
   model, an optional connector and more ``LLM`` arguments, and sends it
   requests: ``generate`` (greedy; token ids, ``num_cached_tokens`` and the
   call's time per prompt), ``reset_prefix_cache`` (vLLM's own cache of this
@@ -138,7 +138,7 @@ class VllmEngine:
         args = [
             str(python or sys.executable),
             "-m",
-            "tierstore.engines.vllm_driver",
+            "tierstore.engines.vllm.driver",
             "--model",
             str(model),
         ]
@@ -267,7 +267,7 @@ def _send(obj: dict[str, Any]) -> None:
 def _child(argv: list[str]) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="tierstore.engines.vllm_driver")
+    parser = argparse.ArgumentParser(prog="tierstore.engines.vllm.driver")
     parser.add_argument("--model", required=True)
     parser.add_argument("--kv-transfer-config", default="")
     parser.add_argument("--enforce-eager", action="store_true")

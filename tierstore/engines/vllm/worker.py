@@ -8,18 +8,18 @@ Provides:
   has ``outer == 2``).
 - ``CpuPageMover``: the copies on the CPU (one streaming copy per block,
   layer and plane; ``tierstore.memory.memcopy``). The CUDA one is in
-  ``vllm_cuda``.
+  ``vllm.cuda``.
 - ``ConnectorWorker``: one engine step's loads (``load``: acquire the
   planned blocks, copy them into their pages, layer by layer) and saves
   (``reserve`` before the forward, ``save_layer`` after each layer's
   attention wrote its pages, ``end_step`` commits the blocks whose layers
   were all copied, or gives them back). Loads planned for the background go
-  to a ``vllm_loader.BackgroundLoader``, whose finished requests
+  to a ``vllm.loader.BackgroundLoader``, whose finished requests
   ``finished_loads`` reports (vLLM's ``get_finished``). Blocks that could
   not be loaded are collected for ``take_load_errors`` (vLLM recomputes them).
 
 A block in the arena is the layers' pages of that block one after another
-(``vllm_layout``). No bytes cross the control socket: the copies go
+(``vllm.layout``). No bytes cross the control socket: the copies go
 straight between vLLM's pages and the sidecar's shared arena.
 
 Runs in vLLM's worker process, on the thread that runs the model (the
@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from tierstore.client import ReserveStatus, StoreClient
-from tierstore.engines.vllm_layout import ConnectorSettings
-from tierstore.engines.vllm_link import StoreLink
-from tierstore.engines.vllm_plan import LoadSpec, SaveSpec
+from tierstore.engines.vllm.layout import ConnectorSettings
+from tierstore.engines.vllm.link import StoreLink
+from tierstore.engines.vllm.plan import LoadSpec, SaveSpec
 from tierstore.errors import TierstoreError
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.memory.memcopy import copy_into
@@ -164,7 +164,7 @@ class ConnectorWorker:
         settings: ConnectorSettings,
         layouts_for: Any,  # Callable[[str], tuple[KVLayout, ...]]
         tp_rank: int,
-        window: Any = None,  # vllm_metrics.StatsWindow: vLLM's stats
+        window: Any = None,  # vllm.metrics.StatsWindow: vLLM's stats
     ) -> None:
         self.link = link
         self.window = window
@@ -179,7 +179,7 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         # Saves whose blocks the store now holds, for KV events: (spec, positions in it).
         self._stored: list[tuple[SaveSpec, list[int]]] = []
-        self._loader: Any = None  # vllm_loader.BackgroundLoader, made at the first one
+        self._loader: Any = None  # vllm.loader.BackgroundLoader, made at the first one
         self._loader_mover: tuple[Any, PageMover] | None = None  # (its arena, its mover)
 
     def register(
@@ -194,7 +194,7 @@ class ConnectorWorker:
     def _new_mover(self, arena: torch.Tensor) -> PageMover:
         assert self.paged is not None
         if self.paged.device.type == "cuda":
-            from tierstore.engines.vllm_cuda import CudaPageMover
+            from tierstore.engines.vllm.cuda import CudaPageMover
 
             return CudaPageMover(self.paged, arena)
         return CpuPageMover(self.paged, arena)
@@ -299,7 +299,7 @@ class ConnectorWorker:
 
     def _background_loader(self) -> Any:
         if self._loader is None:
-            from tierstore.engines.vllm_loader import BackgroundLoader
+            from tierstore.engines.vllm.loader import BackgroundLoader
 
             self._loader = BackgroundLoader(
                 self.settings, self.layouts_for, self.tp_rank, self._copy_in_background,

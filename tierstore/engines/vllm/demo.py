@@ -38,7 +38,7 @@ from typing import Any
 
 from tierstore.cli.demo import two_hosts
 from tierstore.client import StoreClient
-from tierstore.engines.vllm_driver import Output, VllmEngine, kv_transfer_config, tiny_llama
+from tierstore.engines.vllm.driver import Output, VllmEngine, kv_transfer_config, tiny_llama
 from tierstore.errors import TierstoreError
 
 REPLICA_WAIT_S = 60.0

@@ -37,7 +37,7 @@ from vllm.distributed.kv_events import (
 )
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from tierstore.engines.vllm_plan import SaveSpec
+from tierstore.engines.vllm.plan import SaveSpec
 
 MEDIUM = MEDIUM_CPU
 

@@ -48,7 +48,7 @@ bucket are slow to answer): vLLM asks again at its next step."""
 
 Count = Callable[[str, int, str], None]
 """Adds to one of the connector's metrics (name, amount, label; see
-``vllm_metrics``)."""
+``vllm.metrics``)."""
 
 IN_STEP_TIERS = frozenset({TierName.HBM, TierName.DRAM})
 """Tiers a load is copied from inside the step (no background load)."""

@@ -7,10 +7,10 @@ Load it the way LMCache's and Mooncake's connectors plug in::
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"socket_path": "/run/tierstore/tierstore.sock"}}'
 
-(settings: ``vllm_layout.ConnectorSettings``). vLLM builds one connector
+(settings: ``vllm.layout.ConnectorSettings``). vLLM builds one connector
 in its scheduler process and one in each worker:
 
-- **scheduler** (``vllm_plan.Planner``): ``get_num_new_matched_tokens``
+- **scheduler** (``vllm.plan.Planner``): ``get_num_new_matched_tokens``
   asks the sidecar (fast-path lookup; peers too with ``include_peers``) how
   much of the request's prefix it holds beyond vLLM's own prefix cache, and
   where: a prefix not all in DRAM is loaded in the background (``(n,
@@ -23,11 +23,11 @@ in its scheduler process and one in each worker:
   (``StoreClient.end_turn``: the sidecar pushes a long turn's blocks to the
   session's spill host). The session is ``kv_transfer_params["session"]``,
   else vLLM's ``session_id``, else the request id.
-- **worker** (``vllm_worker.ConnectorWorker``): ``start_load_kv`` pins the
+- **worker** (``vllm.worker.ConnectorWorker``): ``start_load_kv`` pins the
   planned blocks in the sidecar's arena and copies them into vLLM's pages,
   one copy per block and layer (on CUDA on a side stream, waited for per
   layer in ``wait_for_layer_load``), or hands a background load to the
-  loader thread (``vllm_loader``), whose ended loads ``get_finished``
+  loader thread (``vllm.loader``), whose ended loads ``get_finished``
   reports (a load not done within ``async_load_timeout_s`` is reported
   with its blocks failed); ``bind_connector_metadata`` reserves
   slots for the step's new full blocks, ``save_kv_layer`` copies each layer
@@ -39,11 +39,11 @@ in its scheduler process and one in each worker:
   costs a prefill, never a wrong token.
 
 Both sides count what they did into vLLM's connector stats, which ``vllm
-serve`` shows in its ``/metrics`` as ``vllm:tierstore_*`` (``vllm_metrics``).
+serve`` shows in its ``/metrics`` as ``vllm:tierstore_*`` (``vllm.metrics``).
 
 Keys are tierstore's chained blake3 keys over the token ids (prompt, then
 generated tokens), with a KVLayout per tensor-parallel rank from vLLM's
-config (``vllm_layout``), independent of vLLM's own block hashing. Engines
+config (``vllm.layout``), independent of vLLM's own block hashing. Engines
 and requests whose KV cannot be restored by prefix are not served from the
 store, with one log line per reason and a counter (``refusals``).
 
@@ -68,17 +68,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from tierstore.engines.vllm_layout import (
+from tierstore.engines.vllm.layout import (
     ConnectorSettings,
     engine_layouts,
     engine_refusal,
     request_refusal,
     request_salt,
 )
-from tierstore.engines.vllm_link import BudgetedCalls, StoreLink
-from tierstore.engines.vllm_metrics import StatsWindow, TierstoreKVStats, TierstorePromMetrics
-from tierstore.engines.vllm_plan import EndTurn, LoadSpec, Planner, SaveSpec
-from tierstore.engines.vllm_worker import ConnectorWorker, PageLayoutError
+from tierstore.engines.vllm.link import BudgetedCalls, StoreLink
+from tierstore.engines.vllm.metrics import StatsWindow, TierstoreKVStats, TierstorePromMetrics
+from tierstore.engines.vllm.plan import EndTurn, LoadSpec, Planner, SaveSpec
+from tierstore.engines.vllm.worker import ConnectorWorker, PageLayoutError
 from tierstore.errors import TierstoreError
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.tiers import TierName
@@ -120,8 +120,8 @@ class TierstoreConnector(KVConnectorBase_V1):
             self._kv_transfer_config.kv_connector_extra_config
         )
         self.refusals: Counter[str] = Counter()
-        self.window = StatsWindow()  # vLLM's stats: see vllm_metrics
-        self._events: Any = None  # vllm_events.TierstoreKVEvents not yet taken
+        self.window = StatsWindow()  # vLLM's stats: see vllm.metrics
+        self._events: Any = None  # vllm.events.TierstoreKVEvents not yet taken
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             log.warning(
@@ -220,7 +220,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         if self.disabled is not None:
             return
         if connector_output.kv_cache_events is not None:
-            from tierstore.engines.vllm_events import merge
+            from tierstore.engines.vllm.events import merge
 
             self._events = merge(self._events, connector_output.kv_cache_events)
         if connector_output.invalid_block_ids:
@@ -256,7 +256,7 @@ class TierstoreConnector(KVConnectorBase_V1):
     ) -> TierstorePromMetrics:
         return TierstorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-    # vLLM's KV events (vllm_events): the workers' BlockStored of what the
+    # vLLM's KV events (vllm.events): the workers' BlockStored of what the
     # saves left in tierstore, published by the scheduler with vLLM's own.
     def get_kv_connector_kv_cache_events(self) -> Any:
         if self.worker is None or not self.planner.events:
@@ -264,7 +264,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         stored = self.worker.take_stored()
         if not stored:
             return None
-        from tierstore.engines.vllm_events import TierstoreKVEvents, stored_events
+        from tierstore.engines.vllm.events import TierstoreKVEvents, stored_events
 
         events = TierstoreKVEvents(num_workers=1)
         events.add_events(stored_events(stored, self.layouts[0].block_tokens))
