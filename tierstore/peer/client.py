@@ -83,10 +83,11 @@ class PeerClient:
         req = peer_pb2.PeerKeysRequest(layout=layout_to_proto(layout), keys=pack_keys(keys))
         return self._stub.Preposition.future(req, timeout=timeout_s, metadata=self._metadata)
 
-    def watch_blocks(self, epoch: int, from_seq: int) -> Any:
-        """The sidecar's stream of tier changes (a grpc call: iterate, ``cancel``)."""
+    def watch_blocks(self, epoch: int, from_seq: int, timeout_s: float | None = None) -> Any:
+        """The sidecar's stream of tier changes (a grpc call: iterate, ``cancel``);
+        with ``timeout_s`` it ends with DEADLINE_EXCEEDED after that long."""
         req = peer_pb2.WatchBlocksRequest(epoch=epoch, from_seq=from_seq)
-        return self._stub.WatchBlocks(req, metadata=self._metadata)
+        return self._stub.WatchBlocks(req, timeout=timeout_s, metadata=self._metadata)
 
     def open_fetch(
         self, layout: KVLayout, keys: Sequence[BlockKey], deadline: float, compress: bool

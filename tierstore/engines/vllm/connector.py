@@ -104,6 +104,25 @@ def _kv_events_on(vllm_config: Any) -> bool:
     return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
 
 
+def _removal_watcher(settings: ConnectorSettings) -> Any:
+    if not settings.removed_events_peer:
+        log.info("tierstore connector: KV events without BlockRemoved (no removed_events_peer)")
+        return None
+    from pathlib import Path
+
+    from tierstore.config import PeerConfig
+    from tierstore.engines.vllm.removals import RemovalWatcher, StoredBlocks
+    from tierstore.peer.client import PeerClient
+
+    token = Path(settings.removed_events_token_file).read_text().strip()
+    client = PeerClient(settings.removed_events_peer, PeerConfig(), token)
+    return RemovalWatcher(
+        StoredBlocks(settings.removed_events_max_blocks),
+        client.watch_blocks,
+        settings.removed_events_stream_s,
+    )
+
+
 def session_of(request: Any) -> str:
     params = request.kv_transfer_params or {}
     return str(params.get("session") or getattr(request, "session_id", None) or request.request_id)
@@ -122,6 +141,7 @@ class TierstoreConnector(KVConnectorBase_V1):
         self.refusals: Counter[str] = Counter()
         self.window = StatsWindow()  # vLLM's stats: see vllm.metrics
         self._events: Any = None  # vllm.events.TierstoreKVEvents not yet taken
+        self._removals: Any = None  # vllm.removals.RemovalWatcher (BlockRemoved)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             log.warning(
@@ -155,6 +175,8 @@ class TierstoreConnector(KVConnectorBase_V1):
                 self.settings.lookup_budget_s, self.settings.call_timeout_s
             )
         self._stats_written: dict[str, Any] | None = None
+        if role == KVConnectorRole.SCHEDULER and self.planner.events:
+            self._removals = _removal_watcher(self.settings)
         # Connect now, not in the first request's time to first token (attach,
         # arena mapping); a sidecar that is not there only starts the retry clock.
         self.link.client()
@@ -235,6 +257,7 @@ class TierstoreConnector(KVConnectorBase_V1):
             "plan": asdict(self.planner.counters),
             "link": asdict(self.link.counters),
             "refusals": dict(self.refusals),
+            **({"removals": self._removals.stats()} if self._removals is not None else {}),
         }
 
     # vLLM's stats: each side's window since vLLM last took it; vLLM sums the
@@ -264,17 +287,24 @@ class TierstoreConnector(KVConnectorBase_V1):
         stored = self.worker.take_stored()
         if not stored:
             return None
-        from tierstore.engines.vllm.events import TierstoreKVEvents, stored_events
+        from tierstore.engines.vllm.events import (
+            TierstoreKVEvents,
+            stored_blocks,
+            stored_events,
+        )
 
         events = TierstoreKVEvents(num_workers=1)
         events.add_events(stored_events(stored, self.layouts[0].block_tokens))
+        events.blocks = stored_blocks(stored)
         return events
 
+    # The scheduler's own: BlockRemoved for the blocks of those BlockStored
+    # that left tierstore since (vllm.removals, with removed_events_peer).
     def take_events(self) -> Any:
+        from tierstore.engines.vllm.events import taken
+
         events, self._events = self._events, None
-        if events is None:
-            return ()
-        return events.aggregate().get_all_events()
+        return taken(events, self._removals.blocks if self._removals is not None else None)
 
     def _write_stats(self) -> None:
         """Rewrite ``stats_path`` when a counter changed (at most twice a step)."""
@@ -365,4 +395,6 @@ class TierstoreConnector(KVConnectorBase_V1):
                 )
             if self._slow_lookups is not None:
                 self._slow_lookups.close()
+            if self._removals is not None:
+                self._removals.close()
             self.link.close()

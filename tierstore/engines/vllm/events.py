@@ -17,8 +17,12 @@ scheduler's ``update_connector_output``, whose ``take_events`` yields the
 events every worker emitted (each tensor-parallel rank saves its own part of
 a block; a block is in tierstore once every rank's part is).
 
-Not yet: ``BlockRemoved`` when tierstore evicts a block (the sidecar's
-``WatchBlocks`` stream says so; ``tierstore router --watch`` reads it).
+``BlockRemoved`` (with ``removed_events_peer``): the events carry each
+stored block's tierstore keys (``TierstoreKVEvents.blocks``, every rank's);
+the scheduler's ``take_events`` hands the blocks of the events every worker
+emitted to a ``vllm.removals.StoredBlocks``, whose watcher follows the
+sidecar's ``WatchBlocks`` stream, and adds one ``BlockRemoved`` (same
+medium) for the blocks that left tierstore since the last step.
 
 Runs in vLLM's worker and scheduler processes.
 """
@@ -30,6 +34,7 @@ from typing import Any
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
+    BlockRemoved,
     BlockStored,
     KVCacheEvent,
     KVConnectorKVEvents,
@@ -38,8 +43,25 @@ from vllm.distributed.kv_events import (
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from tierstore.engines.vllm.plan import SaveSpec
+from tierstore.engines.vllm.removals import StoredBlocks
+from tierstore.keys import BlockKey
 
 MEDIUM = MEDIUM_CPU
+
+
+def stored_blocks(
+    stored: Sequence[tuple[SaveSpec, list[int]]],
+) -> dict[Any, tuple[BlockKey, ...]]:
+    """vLLM's hash (as in the events) -> the block's keys, one per rank."""
+    return {
+        maybe_convert_block_hash(spec.block_hashes[p]): tuple(keys[p] for keys in spec.keys)
+        for spec, positions in stored
+        for p in positions
+    }
+
+
+def removed_event(block_hashes: list[Any]) -> BlockRemoved:
+    return BlockRemoved(block_hashes=block_hashes, medium=MEDIUM)
 
 
 def stored_events(
@@ -76,6 +98,9 @@ class TierstoreKVEvents(KVConnectorKVEvents):
 
     def __init__(self, num_workers: int = 1) -> None:
         self._aggregator = KVEventAggregator(num_workers)
+        # vLLM's hash -> tierstore's keys of the blocks in the BlockStored
+        # events (the same from every worker: each names every rank's keys).
+        self.blocks: dict[Any, tuple[BlockKey, ...]] = {}
 
     def add_events(self, events: list[KVCacheEvent]) -> None:
         self._aggregator.add_events(events)
@@ -112,4 +137,32 @@ def merge(into: TierstoreKVEvents | None, more: Any) -> TierstoreKVEvents | None
         return more
     into.add_events(more.get_all_events())
     into.increment_workers(more.get_number_of_workers())
+    into.blocks.update(more.blocks)
     return into
+
+
+def taken(events: TierstoreKVEvents | None, removals: StoredBlocks | None) -> list[KVCacheEvent]:
+    """The scheduler's ``take_events``: the events every worker emitted, then
+    one ``BlockRemoved`` for what left tierstore since (with ``removals``);
+    the stored blocks among them are announced to ``removals``."""
+    out = events.aggregate().get_all_events() if events is not None else []
+    if removals is not None:
+        if events is not None:
+            removals.stored(common_blocks(out, events.blocks))
+        gone = removals.take()
+        if gone:
+            out.append(removed_event(gone))
+    return out
+
+
+def common_blocks(
+    events: Sequence[KVCacheEvent], blocks: dict[Any, tuple[BlockKey, ...]]
+) -> list[tuple[Any, tuple[BlockKey, ...]]]:
+    """The (hash, keys) of the blocks in the ``BlockStored`` of ``events``."""
+    return [
+        (h, blocks[h])
+        for e in events
+        if isinstance(e, BlockStored)
+        for h in e.block_hashes
+        if h in blocks
+    ]

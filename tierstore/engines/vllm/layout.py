@@ -63,6 +63,15 @@ class ConnectorSettings:
     end_turn: bool = True  # tell the sidecar when a request ends (replica push)
     model_name: str = ""  # the model's name in keys ("" = vLLM's model name or path)
     tenant_salt: str = ""  # a namespace of its own (e.g. per deployment)
+    # vLLM's BlockRemoved (KV events on): the sidecar's peer address (host:port)
+    # whose WatchBlocks stream says when a stored block leaves tierstore, and
+    # the group token's file ("" = no BlockRemoved). Plaintext peer port only.
+    removed_events_peer: str = ""
+    removed_events_token_file: str = ""
+    # Blocks remembered for BlockRemoved (LRU; ~200 bytes each per rank): one
+    # pushed out gets no BlockRemoved when it leaves.
+    removed_events_max_blocks: int = 100_000
+    removed_events_stream_s: float = 30.0  # one WatchBlocks stream's deadline, then reopened
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -81,9 +90,13 @@ class ConnectorSettings:
             "connect_timeout_s",
             "call_timeout_s",
             "reconnect_s",
+            "removed_events_stream_s",
+            "removed_events_max_blocks",
         ):
             if not getattr(settings, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(settings, name)!r}")
+        if settings.removed_events_peer and not settings.removed_events_token_file:
+            raise ValueError("removed_events_peer needs removed_events_token_file")
         return settings
 
 
