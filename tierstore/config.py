@@ -348,6 +348,9 @@ class RouterConfig:
     router_rpc_threads: int = 8  # threads serving the router service's calls
     router_watch: bool = False  # keep an index from the hosts' event streams
     router_stale_s: float = 6.0  # a host's stream silent this long: ask the host directly
+    # vLLM's KV events (ZMQ publisher) of each host's engine: HOST=tcp://engine:port
+    router_vllm_events: tuple[str, ...] = ()
+    router_vllm_layout: str = ""  # the engines' KV layout (JSON, or a file holding it)
     prefill_tokens_per_s: float = 8000.0  # engine prefill speed, unless a host reports one
     dram_load_bytes_per_s: float = 10e9  # host memory -> device
     nvme_load_bytes_per_s: float = 2e9  # NVMe read + verify, unless a host measured it
@@ -372,6 +375,11 @@ class RouterConfig:
         _at_least(self, 0, "spill_tie_s")
         for addr in self.router_hosts:
             _check_address(addr, "router_hosts")
+        if self.router_vllm_events and not self.router_vllm_layout:
+            raise ConfigError(
+                "router_vllm_events needs router_vllm_layout: vLLM's block hashes are "
+                "not tierstore keys, the router chains them with the engines' layout"
+            )
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,15 @@ def add_parsers(sub: Any, add_config_flags: Any) -> None:
     )
     p.add_argument("--port", type=int, default=None, dest="router_port", help="port to listen on")
     p.add_argument("--watch", action="store_true", help="index the hosts' event streams")
+    p.add_argument(
+        "--vllm-events",
+        metavar="HOST=tcp://ENGINE:PORT[,...]",
+        help="also index vLLM's KV events of the engine behind each host (HOST: its "
+        "sidecar's peer address; ENGINE:PORT: vllm's --kv-events-config endpoint)",
+    )
+    p.add_argument(
+        "--vllm-layout", metavar="JSON|FILE", help="the engines' KV layout (with --vllm-events)"
+    )
     add_config_flags(p)
     p.set_defaults(func=cmd_router)
 
@@ -88,6 +97,10 @@ def _config(args: argparse.Namespace) -> Any:
         args.set.append(f"membership={args.membership}")
     if getattr(args, "watch", False):
         args.set.append("router_watch=true")
+    if getattr(args, "vllm_events", None):
+        args.set.append(f"router_vllm_events={args.vllm_events}")
+    if getattr(args, "vllm_layout", None):
+        args.set.append(f"router_vllm_layout={args.vllm_layout}")
     return base_config(args)
 
 

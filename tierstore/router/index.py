@@ -30,6 +30,16 @@ _BITS = {common_pb2.TIER_HBM: 1, common_pb2.TIER_DRAM: 2, common_pb2.TIER_NVME: 
 _BEST = [0] + [next(t for t, b in _BITS.items() if m & b) for m in range(1, 8)]
 
 
+def tier_bit(tier: common_pb2.Tier) -> int:
+    """The bit of a wire tier (HBM, DRAM, NVMe) in a key's tier bits."""
+    return _BITS[tier]
+
+
+def best_tier(bits: int) -> int:
+    """The best wire tier among a key's tier bits (HBM over DRAM over NVMe)."""
+    return _BEST[bits]
+
+
 class GapError(Exception):
     """The event stream of a host broke its order; resynchronise."""
 

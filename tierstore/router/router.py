@@ -10,6 +10,10 @@ all sent at once under one deadline (a host that does not answer in time
 is listed as unreachable, never waited for). Measured speeds a host
 reports (prefill, NVMe read, peer fetch) replace the configured ones for
 that host. ``tierstore.router.cost.plan`` does the rest.
+With ``router_vllm_events`` it also subscribes to each host's vLLM engine's
+KV events (``tierstore.router.engine_events``) and ranks every reachable
+host on the better, block by block, of its sidecar's view and its engine's
+(a prefix vLLM still holds on the GPU, or one only vLLM's events announced).
 ``preposition`` tells the chosen host to bring the prefix into DRAM (from its
 NVMe, the peers, the remote tier) before the request reaches it; it does not
 wait for the answer.
@@ -34,6 +38,14 @@ from tierstore.peer.client import PeerClient
 from tierstore.peer.etcd_members import EtcdMembers
 from tierstore.peer.membership import MemberSet, PeerClients, StaticMembers
 from tierstore.router.cost import HostView, Plan, Rates, plan
+from tierstore.router.engine_events import (
+    EngineIndex,
+    EngineSubscriber,
+    merge_tiers,
+    parse_endpoints,
+    read_layout,
+    start_subscribers,
+)
 from tierstore.router.feeder import IndexFeeder
 from tierstore.router.index import FleetIndex
 from tierstore.wire import load_from_proto
@@ -77,6 +89,12 @@ class Router:
         else:
             self.members = StaticMembers(cfg.router_hosts)
         self._clients = PeerClients(self.members, lambda h: PeerClient(h, peer, token))
+        self.engines: EngineIndex | None = None
+        self._subscribers: list[EngineSubscriber] = []
+        if cfg.router_vllm_events:
+            self.engines = EngineIndex(read_layout(cfg.router_vllm_layout))
+            endpoints = parse_endpoints(cfg.router_vllm_events)
+            self._subscribers = start_subscribers(self.engines, endpoints)
         if cfg.router_watch:
             self.index = FleetIndex(stale_s=cfg.router_stale_s)
             self.feeder = IndexFeeder(self.index, (), self._open_watch)
@@ -169,6 +187,14 @@ class Router:
                 load.prefill_tokens_per_s, reply.nvme_read_bytes_per_s, reply.peer_fetch_bytes_per_s
             )
             views[h] = HostView(h, reply.tiers[: reply.num_hits], load, rates)
+        if self.engines is not None:
+            for h in hosts:
+                held = self.engines.prefix(h, keys)
+                v = views[h]
+                if held and v.reachable:
+                    views[h] = replace(
+                        v, tiers=merge_tiers(v.tiers, held), source=f"{v.source}+vllm"
+                    )
         return [views[h] for h in hosts]
 
     def preposition(self, host: str, layout: KVLayout, keys: Sequence[BlockKey]) -> None:
@@ -189,4 +215,6 @@ class Router:
         self.members.close()  # no more fleet changes from here on
         if self.feeder is not None:
             self.feeder.close()
+        for sub in self._subscribers:
+            sub.close()
         self._clients.close()
