@@ -11,6 +11,11 @@ scrapes after each request must show exactly that. The server publishes
 vLLM's KV events on ZMQ (``--kv-events-config``); a subscriber sees vLLM's
 own ``BlockStored`` for its GPU blocks and, after the cold request, the
 connector's for the same 5 block hashes and tokens with ``medium="CPU"``.
+
+A second server's sidecar holds only 7 blocks (no NVMe) and the connector
+watches its removals (``removed_events_peer``): a second prompt's saves
+push the first one's blocks out, and the connector's ``BlockRemoved``
+(medium CPU) names exactly the first prompt's 5 hashes (none of the second's).
 """
 
 from __future__ import annotations
@@ -147,3 +152,61 @@ def test_vllm_serve_metrics_show_the_store_hits_loads_and_saves(
     assert 0 < warm[("vllm:tierstore_load_seconds_sum", "")] < 5.0
     assert warm[("vllm:tierstore_saved_tokens_total", "")] == STORED  # saved once, not again
     assert warm.get(("vllm:tierstore_load_error_blocks_total", ""), 0) == 0
+
+
+OTHER = [random.Random(6).randrange(1, 1000) for _ in range(700)]  # 5 other full blocks
+TOKEN = "e2e-removals-token"
+
+
+def test_vllm_serve_events_show_block_removed_when_the_sidecar_evicts(tmp_path: Path) -> None:
+    peer_port = free_port()
+    block_bytes = 2 * 4 * 2 * 64 * BLOCK * 2  # tiny_llama: K and V, 4 layers, 2 heads of 64, bf16
+    (tmp_path / "car").mkdir()
+    car = SidecarProcess(
+        tmp_path / "car", "--set", f"peer_port={peer_port}", "--set", f"peer_token={TOKEN}",
+        "--set", "watch_heartbeat_s=0.5", dram=str(7 * block_bytes), nvme="0",
+    )  # fmt: skip
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    model = tiny_llama(tmp_path / "model")
+    transfer = kv_transfer_config(
+        car.socket, removed_events_peer=f"127.0.0.1:{peer_port}",
+        removed_events_token_file=str(token_file),
+    )  # fmt: skip
+    port = free_port()
+    events_config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                     "endpoint": f"tcp://127.0.0.1:{port}"}  # fmt: skip
+    events = Events(port)
+    try:
+        flags = ("--kv-events-config", json.dumps(events_config))
+        with api_server(model, transfer, tmp_path / "server.log", *flags) as url:
+            time.sleep(1.0)  # the subscription reaches the publisher (ZMQ drops what comes before)
+            complete(url, PROMPT, 2)
+            complete(url, OTHER, 2)  # its saves evict the first prompt's blocks
+            deadline = time.monotonic() + 30
+            while len(removed(events)) < 5 and time.monotonic() < deadline:
+                complete(url, [7, 8, 9], 1)  # a step: the scheduler publishes what it took
+                time.sleep(0.5)
+        blocks = {
+            h: tuple(e.token_ids[i * BLOCK : (i + 1) * BLOCK])
+            for e in events.stored("CPU") for i, h in enumerate(e.block_hashes)
+        }  # fmt: skip
+        prompt_blocks = {tuple(PROMPT[i : i + BLOCK]) for i in range(0, STORED, BLOCK)}
+        first = [h for h, t in blocks.items() if t in prompt_blocks]
+        second = set(blocks) - set(first)
+        gone = removed(events)
+        seen = [type(e).__name__ for e in events.events]
+        assert len(first) == 5 and len(second) == 5, f"events seen: {seen} {events.error}"
+        assert sorted(gone) == sorted(first), f"events seen: {seen}"
+        assert not set(gone) & second
+    finally:
+        events.close()
+        car.stop()
+
+
+def removed(events: Events) -> list[Any]:
+    return [
+        h for e in list(events.events)
+        if type(e).__name__ == "BlockRemoved" and e.medium == "CPU"
+        for h in e.block_hashes
+    ]  # fmt: skip
