@@ -295,7 +295,8 @@ class TierstoreConnector(KVConnectorBase_V1):
 
         events = TierstoreKVEvents(num_workers=1)
         events.add_events(stored_events(stored, self.layouts[0].block_tokens))
-        events.blocks = stored_blocks(stored)
+        if self.settings.removed_events_peer:  # the scheduler's watcher wants the keys
+            events.blocks = stored_blocks(stored)
         return events
 
     # The scheduler's own: BlockRemoved for the blocks of those BlockStored
