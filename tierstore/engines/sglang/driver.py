@@ -1,0 +1,310 @@
+"""SGLang's real HiCache controller on the CPU, backed by tierstore or HiCacheFile.
+
+Runs in SGLang's own environment (``bench/sglang_env.sh``), with the
+checkout on PYTHONPATH::
+
+    python -m tierstore.engines.sglang.driver '{"socket_path": "...", ...}'
+
+It builds SGLang's ``MHATokenToKVPool`` on "cpu", an ``MHATokenToKVPoolHost``
+over it (``pin_memory=False``: pinning calls CUDA) and a
+``HiCacheController`` with the storage backend (``dynamic`` with tierstore's
+``TierstoreStorage``, or SGLang's own ``file``), inside SGLang's
+parallel-state override for one rank. Then, as ``Spec`` asks:
+
+- **backup**: fills the host pool with random bytes (from ``data_seed``), and
+  backs a conversation of ``pages`` pages up through the controller's
+  backup thread (``write_storage``, keys from SGLang's own page hash), timed
+  to the ack;
+- **prefetch**: a fresh host pool asks the controller to prefetch the same
+  tokens (its prefetch thread queries ``batch_exists``, its transfer thread
+  gets the pages), timed to the last ack, and compares each page it got with
+  the page the backup wrote, token by token, layer by layer, in SGLang's own
+  layout terms. The writer's pool is rebuilt from ``data_seed`` and
+  ``source_layout``, so the backup may have run in another process, on
+  another host's sidecar.
+
+Prints one JSON object (``Result``), or a list of them for a list of specs
+(run one after the other in this process). Used by tests/e2e/test_sglang.py and
+bench/sglang.py; not part of the backend SGLang loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from queue import Empty
+from typing import Any
+
+import torch
+
+log = logging.getLogger("tierstore.engines.sglang.driver")
+
+
+@dataclass
+class Spec:
+    backend: str = "tierstore"  # or "file": SGLang's HiCacheFile
+    socket_path: str = ""
+    file_dir: str = ""  # HiCacheFile's directory
+    interface_v1: bool = True  # the zero-copy path (batch_get_v1 / batch_set_v1)
+    layout: str = "page_first"  # this process's host pool
+    source_layout: str = ""  # the pool the backup ran from ("" = layout)
+    layers: int = 4
+    heads: int = 2
+    head_dim: int = 64
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    pages: int = 8  # the conversation's length in pages
+    seed: int = 0  # the tokens, and the pool's bytes unless data_seed is set
+    data_seed: int = -1  # the source pool's bytes (-1: seed); another seed for the
+    # reference pool than the backup used is the oracle's negative control
+    backup: bool = True
+    prefetch: bool = True
+    model: str = "tierstore-test/tiny"
+    timeout_s: float = 60.0  # each wait on a controller queue
+    settings: dict[str, Any] = field(default_factory=dict)  # tierstore's extra config
+
+    @property
+    def tokens(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + 7919)
+        n = self.pages * self.page_size
+        return torch.randint(0, 32000, (n,), generator=g).tolist()
+
+
+@dataclass
+class Result:
+    backup_tokens: int = 0  # backed up, as the controller acked
+    backup_s: float = 0.0
+    hit_tokens: int = 0  # the prefetch's storage hit query
+    prefetched_tokens: int = 0  # brought into the host pool
+    prefetch_s: float = 0.0
+    pages_compared: int = 0
+    pages_equal: int = 0
+    first_unequal: int = -1
+    page_bytes: int = 0
+    backup_stats: dict[str, Any] = field(default_factory=dict)  # TierstoreStorage.stats
+    prefetch_stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Rank:
+    """One SGLang rank's device pool, host pool and controller."""
+
+    def __init__(self, spec: Spec, layout: str) -> None:
+        from sglang.srt.managers.cache_controller import HiCacheController
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+        dtype = getattr(torch, spec.dtype)
+        ps = spec.page_size
+        size = (spec.pages + 1) * ps
+        self.device = MHATokenToKVPool(
+            size, ps, dtype, spec.heads, spec.head_dim, spec.layers, "cpu", False,
+            start_layer=0, end_layer=spec.layers,
+        )  # fmt: skip
+        allocator = PagedTokenToKVPoolAllocator(size, ps, dtype, "cpu", self.device, False)
+        self.host = MHATokenToKVPoolHost(
+            self.device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            ps,
+            layout,
+            pin_memory=False,
+            device_capacity_tokens=self.device.size,
+            start_layer=self.device.start_layer,
+            end_layer=self.device.end_layer,
+            write_back_staging=self.device.hicache_write_back_staging,
+        )
+        if spec.backend == "tierstore":
+            backend = "dynamic"
+            extra: dict[str, Any] = {
+                "backend_name": "tierstore",
+                "module_path": "tierstore.engines.sglang",
+                "class_name": "TierstoreStorage",
+                "interface_v1": int(spec.interface_v1),
+                "socket_path": spec.socket_path,
+                **spec.settings,
+            }
+        elif spec.backend == "file":
+            backend, extra = "file", {"file_storage_path": spec.file_dir}
+        else:
+            raise ValueError(f"backend must be tierstore or file, not {spec.backend!r}")
+        self.controller = HiCacheController(
+            allocator,
+            self.host,
+            ps,
+            tp_group=None,
+            load_cache_event=threading.Event(),
+            io_backend="direct",
+            storage_backend=backend,
+            model_name=spec.model,
+            storage_backend_extra_config=extra,
+        )
+        self.timeout_s = spec.timeout_s
+
+    def fill(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        raw = self.host.kv_buffer.view(-1).view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+    def alloc(self, num_tokens: int) -> torch.Tensor:
+        host_indices = self.host.alloc(num_tokens)
+        if host_indices is None:
+            raise RuntimeError(f"the host pool has no room for {num_tokens} tokens")
+        return host_indices
+
+    def backup(
+        self, host_indices: torch.Tensor, tokens: list[int], keys: list[str]
+    ) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        op_id = self.controller.write_storage(host_indices, tokens, hash_value=keys)
+        op = self.controller.ack_backup_queue.get(timeout=self.timeout_s)
+        seconds = time.perf_counter() - t0
+        if op.id != op_id:
+            raise RuntimeError(f"acked backup {op.id}, expected {op_id}")
+        return op.completed_tokens, seconds
+
+    def prefetch(self, tokens: list[int]) -> tuple[torch.Tensor | None, int, int, float]:
+        cc = self.controller
+        t0 = time.perf_counter()
+        op = cc.prefetch("request-0", tokens)
+        hit = cc.prefetch_hit_queue.get(timeout=self.timeout_s)
+        if hit is not op:
+            raise RuntimeError("the hit queue answered another prefetch")
+        hit_tokens = op.storage_hit_count
+        if hit_tokens == 0:
+            return None, 0, 0, time.perf_counter() - t0
+        host_indices = cc.alloc_prefetch_host_buffers(op, hit_tokens)
+        if host_indices is None:
+            raise RuntimeError(f"the host pool has no room for {hit_tokens} tokens")
+        op.host_indices = host_indices
+        cc.prefetch_buffer.put(op)
+        done = 0
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"prefetch not acked in {self.timeout_s}s")
+            try:
+                ack = cc.ack_prefetch_queue.get(timeout=left)
+            except Empty:
+                continue
+            if ack.completed_tokens is not None:
+                done = max(done, ack.completed_tokens)
+            if ack.completed_req:
+                break
+        return host_indices, hit_tokens, done, time.perf_counter() - t0
+
+    def stats(self) -> dict[str, Any]:
+        backend = self.controller.storage_backend
+        stats = getattr(backend, "stats", None)
+        return asdict(stats) if stats is not None else {}
+
+    def close(self) -> None:
+        cc = self.controller
+        cc.storage_stop_event.set()
+        if hasattr(cc.storage_backend, "close"):
+            cc.storage_backend.close()
+
+
+def token_kv(host: Any, slot: int) -> torch.Tensor:
+    """K and V of every layer at host token ``slot``: (2, layers, heads, dim).
+    Written from SGLang's definition of each layout (``init_kv_buffer``),
+    one token at a time, independently of tierstore's ``pages`` module."""
+    kv, ps = host.kv_buffer, host.page_size
+    if host.layout == "layer_first":  # (2, layers, tokens, heads, dim)
+        return kv[:, :, slot]
+    if host.layout == "page_first":  # (2, tokens, layers, heads, dim)
+        return kv[:, slot]
+    if host.layout == "page_first_direct":  # (2, pages, layers, page, heads, dim)
+        return kv[:, slot // ps, :, slot % ps]
+    raise ValueError(f"no oracle for layout {host.layout!r}")
+
+
+def compare(
+    got: Any, got_idx: torch.Tensor, want: Any, want_idx: torch.Tensor, num_tokens: int
+) -> tuple[int, int, int]:
+    """Pages compared, pages equal, first unequal page (-1: none)."""
+    ps = got.page_size
+    equal, first_bad = 0, -1
+    pages = num_tokens // ps
+    for p in range(pages):
+        same = all(
+            torch.equal(
+                token_kv(got, int(got_idx[p * ps + t])).view(torch.uint8),
+                token_kv(want, int(want_idx[p * ps + t])).view(torch.uint8),
+            )
+            for t in range(ps)
+        )
+        equal += same
+        if not same and first_bad < 0:
+            first_bad = p
+    return pages, equal, first_bad
+
+
+def run(spec: Spec) -> Result:
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+    from sglang.srt.runtime_context import get_parallel
+
+    if spec.backend == "file" and spec.file_dir:
+        os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = spec.file_dir
+    tokens = spec.tokens
+    keys = get_storage_hash_str(tokens, None, page_size=spec.page_size)
+    result = Result()
+    ranks: list[Rank] = []
+    with get_parallel().override(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
+    ):
+        try:
+            source = Rank(spec, spec.source_layout or spec.layout)
+            ranks.append(source)
+            source.fill(spec.seed if spec.data_seed < 0 else spec.data_seed)
+            result.page_bytes = source.host.get_size_per_token() * spec.page_size
+            # The pages the backup wrote: the first alloc of a fresh pool, in
+            # this process or in the one that ran the backup.
+            written = source.alloc(len(tokens))
+            if spec.backup:
+                result.backup_tokens, result.backup_s = source.backup(written, tokens, keys)
+                result.backup_stats = source.stats()
+            if spec.prefetch:
+                reader = Rank(spec, spec.layout)
+                ranks.append(reader)
+                got, result.hit_tokens, done, result.prefetch_s = reader.prefetch(tokens)
+                result.prefetched_tokens = done
+                if got is not None:
+                    result.pages_compared, result.pages_equal, result.first_unequal = compare(
+                        reader.host, got, source.host, written, done
+                    )
+                result.prefetch_stats = reader.stats()
+        finally:
+            for rank in ranks:
+                rank.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tierstore.engines.sglang.driver")
+    parser.add_argument("spec", help="a JSON object of Spec's fields, or a list of them")
+    args = parser.parse_args(argv)
+    raw = json.loads(args.spec)
+    specs = raw if isinstance(raw, list) else [raw]
+    known = {f.name for f in fields(Spec)}
+    for one in specs:
+        unknown = sorted(set(one) - known)
+        if unknown:
+            parser.error(f"unknown spec fields {unknown}; known: {sorted(known)}")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    # One after the other in this process (SGLang imports once), each with
+    # pools and a controller of its own.
+    results = [asdict(run(Spec(**one))) for one in specs]
+    print(json.dumps(results if isinstance(raw, list) else results[0]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The namespace of SGLang's HiCache pages in tierstore, and the backend's settings.
+
+Provides ``StorageSettings`` (tierstore's keys in SGLang's
+``--hicache-storage-backend-extra-config``), ``storage_layout`` (the
+``KVLayout`` of one rank's pages, from ``HiCacheStorageConfig`` and the host
+pool; configurations whose pages cannot be shared by key are refused with
+the reason), ``block_keys`` (SGLang's page keys as tierstore keys) and
+``host_pages`` (``pages.HostPages`` over an MHA host pool).
+
+No SGLang import: the config and the pool are read by attribute, so this is
+tested without SGLang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import blake3
+import torch
+
+from tierstore.engines.sglang.pages import HostPages, PageLayoutError, PageShape
+from tierstore.keys import BlockKey, KVLayout
+
+# HiCacheStorageConfig.extra_config keys that are SGLang's, not ours.
+_SGLANG_KEYS = frozenset(
+    {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StorageSettings:
+    """tierstore's keys in ``--hicache-storage-backend-extra-config``."""
+
+    socket_path: str = ""  # the sidecar's Unix socket; "" = tierstore's config default
+    include_peers: bool = False  # lookups and gets also ask the group's other sidecars
+    load_deadline_s: float = 5.0  # one get's deadline for fetches from a peer or the bucket
+    connect_timeout_s: float = 2.0  # a sidecar that does not answer in time: misses
+    call_timeout_s: float = 10.0  # any one control call
+    reconnect_s: float = 5.0  # after the sidecar failed, try it again this often
+    model_name: str = ""  # the model's name in keys ("" = SGLang's model name)
+    tenant_salt: str = ""  # a namespace of its own (e.g. per deployment)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> StorageSettings:
+        ours = {k: v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(ours) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown tierstore settings {unknown} in the HiCache extra config; "
+                f"known: {sorted(known)}"
+            )
+        settings = cls(**ours)
+        for name in ("load_deadline_s", "connect_timeout_s", "call_timeout_s", "reconnect_s"):
+            value = getattr(settings, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if not isinstance(settings.include_peers, bool):
+            raise ValueError(f"include_peers must be true or false, got {settings.include_peers!r}")
+        return settings
+
+
+def storage_layout(config: Any, shape: PageShape, settings: StorageSettings) -> KVLayout:
+    """The tierstore namespace of one SGLang rank's pages; ``config`` is
+    SGLang's ``HiCacheStorageConfig``."""
+    refusals = []
+    if config.attn_cp_size > 1:
+        refusals.append(f"attention context parallelism (attn_cp_size {config.attn_cp_size})")
+    if config.dcp_size > 1:
+        refusals.append(f"decode context parallelism (dcp_size {config.dcp_size})")
+    if config.should_split_heads:
+        refusals.append("heads split across a tp_lcm_size")
+    if config.is_mla_model:
+        refusals.append("an MLA model (its host pool has no separate K and V)")
+    if refusals:
+        raise PageLayoutError("tierstore does not store the pages of " + "; ".join(refusals))
+    model = settings.model_name or config.model_name or ""
+    if not model:
+        raise PageLayoutError(
+            "no model name: SGLang gave none and the extra config has no model_name; "
+            "tierstore needs one to keep models apart"
+        )
+    if config.pp_size > 1:
+        model = f"{model}#pp{config.pp_rank}/{config.pp_size}"
+    return KVLayout(
+        model=f"sglang:{model}",
+        num_layers=shape.layers,
+        num_kv_heads=shape.heads,
+        head_dim=shape.head_dim,
+        dtype=str(shape.dtype).removeprefix("torch."),
+        block_tokens=shape.page_size,
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        tenant_salt=settings.tenant_salt,
+    )
+
+
+def block_keys(layout: KVLayout, keys: Sequence[str]) -> list[BlockKey]:
+    """SGLang's page keys as tierstore keys in ``layout``'s namespace."""
+    fp = layout.fingerprint
+    return [BlockKey(blake3.blake3(fp + k.encode()).digest()) for k in keys]
+
+
+def host_pages(host_pool: Any) -> HostPages:
+    """``HostPages`` over an SGLang MHA host pool (``MHATokenToKVPoolHost``)."""
+    kv = getattr(host_pool, "kv_buffer", None)
+    if not isinstance(kv, torch.Tensor):
+        raise PageLayoutError(
+            f"{type(host_pool).__name__} has no kv_buffer tensor: only MHA host pools are served"
+        )
+    v_dim = getattr(host_pool, "v_head_dim", host_pool.head_dim)
+    if v_dim != host_pool.head_dim:
+        raise PageLayoutError(
+            f"K and V head dims differ ({host_pool.head_dim} and {v_dim}): not served"
+        )
+    shape = PageShape(
+        layers=host_pool.layer_num,
+        page_size=host_pool.page_size,
+        heads=host_pool.head_num,
+        head_dim=host_pool.head_dim,
+        dtype=host_pool.dtype,
+    )
+    return HostPages(kv, host_pool.layout, shape)
