@@ -31,7 +31,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
@@ -154,7 +154,7 @@ class StoredBlocks:
             self._hash_of.pop(key, None)
             self._bits.pop(key, None)
 
-    def _broken(self, why: str) -> Any:
+    def _broken(self, why: str) -> NoReturn:
         self.synced, self.epoch, self.seq = False, 0, 0
         raise GapError(why)
 
@@ -162,7 +162,7 @@ class StoredBlocks:
         bit = _BITS.get(msg.tier)
         if bit is None or len(msg.keys) % KEY_BYTES:
             self._broken(f"malformed event: tier {msg.tier}, {len(msg.keys)} key bytes")
-        return bit or 0
+        return bit
 
     def _synced(self, seq: int) -> None:
         # A key announced before the reset was committed before the snapshot
