@@ -27,6 +27,21 @@
  * and 6.7-6.9 GB/s for the one-stream loop this replaced. Copies under
  * STREAM_MIN_BYTES, and every copy on other architectures, use memcpy: a
  * small copy is likely read again soon and is better left in the cache.
+ *
+ *   copy_runs(dst, src, dst_offsets, src_offsets, nbytes) -> None
+ *
+ * Many runs of nbytes between two buffers in one call (int64 offsets into
+ * each), the GIL released once for all of them: the engines' page copies
+ * (one run per block and layer) without Python per run. Its loop for runs
+ * of STREAM_MIN_BYTES and more is stream_copy_avx2 where the CPU has AVX2
+ * (a plain forward loop, 32-byte non-temporal stores), else
+ * stream_copy_pages. Measured on the 2-core AMD EPYC (Zen 4) VM of
+ * 2026-12-02, 372 MiB in 744 runs of 512 KiB between a tmpfs arena and
+ * private memory (one thread, best of 12): the four-page loop 15.3-15.6
+ * GB/s in both directions, glibc's memcpy 21.8-22.9, the same forward loop
+ * with 16-byte stores 21.5-22.4, with 64-byte (AVX-512) stores 22.8-24.3,
+ * stream_copy_avx2 24.8-26.7 (26.1 at 2 MiB runs); a second thread added
+ * nothing (23.7): one thread reaches the VM's memory bandwidth.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -37,6 +52,10 @@
 #include <emmintrin.h>
 #include <xmmintrin.h>
 #define HAVE_STREAM 1
+#if defined(__GNUC__) || defined(__clang__)
+#include <immintrin.h>
+#define HAVE_AVX2_LOOP 1 /* compiled for AVX2 by its target attribute, run if the CPU has it */
+#endif
 #else
 #define HAVE_STREAM 0
 #endif
@@ -148,6 +167,58 @@ static void stream_copy_pages(char *dst, const char *src, size_t n)
     stream_copy(dst + done, src + done, n - done);
 }
 
+#ifndef HAVE_AVX2_LOOP
+#define HAVE_AVX2_LOOP 0
+#endif
+static int use_avx2 = 0; /* set at import: the CPU has AVX2 */
+
+#if HAVE_AVX2_LOOP
+#define AVX2_PREFETCH_AHEAD 1024
+__attribute__((target("avx2"))) static void stream_copy_avx2(char *dst, const char *src,
+                                                             size_t n)
+{
+    size_t head = (64 - ((uintptr_t)dst & 63)) & 63; /* whole destination lines, as above */
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    size_t i = 0;
+    for (; i + 128 <= n; i += 128) {
+        _mm_prefetch(src + i + AVX2_PREFETCH_AHEAD, _MM_HINT_T0);
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+        _mm256_stream_si256((__m256i *)(dst + i), a);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
+        _mm256_stream_si256((__m256i *)(dst + i + 96), d);
+    }
+    _mm_sfence();
+    memcpy(dst + i, src + i, n - i);
+}
+#endif
+
+/* One run of copy_runs (see the header). */
+static void copy_run(char *dst, const char *src, size_t n)
+{
+#if HAVE_AVX2_LOOP
+    if (n >= STREAM_MIN_BYTES && use_avx2) {
+        stream_copy_avx2(dst, src, n);
+        return;
+    }
+#endif
+#if HAVE_STREAM
+    if (n >= STREAM_MIN_BYTES) {
+        stream_copy_pages(dst, src, n);
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
 static void copy_bytes(char *dst, const char *src, size_t n)
 {
 #if HAVE_STREAM
@@ -205,8 +276,105 @@ done:
     return result;
 }
 
+/* An int64 offsets buffer (numpy's int64 is "l" on LP64, "q" elsewhere). */
+static int get_offsets(PyObject *obj, Py_buffer *view, const char *name)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    const char *f = view->format ? view->format : "B";
+    char code = f[0] == '<' || f[0] == '=' || f[0] == '@' ? f[1] : f[0];
+    if (view->itemsize != 8 || (code != 'l' && code != 'q') || f[f[0] == code ? 1 : 2]) {
+        PyErr_Format(PyExc_TypeError, "copy_runs: %s must be int64, got format '%s'", name, f);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(copy_runs_doc,
+"copy_runs(dst, src, dst_offsets, src_offsets, nbytes) -> None\n\n"
+"For every i, copy nbytes from src at src_offsets[i] into dst at dst_offsets[i].\n"
+"dst and src: C-contiguous buffers (dst writable); the offsets: int64 buffers of\n"
+"one length. Every run is checked to lie inside its buffer and not to overlap\n"
+"its own source before anything is copied; then all run without the GIL.");
+
+static PyObject *copy_runs(PyObject *self, PyObject *args)
+{
+    PyObject *dst_obj, *src_obj, *doff_obj, *soff_obj;
+    Py_ssize_t nbytes;
+    Py_buffer dv, sv, dov, sov;
+
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOn:copy_runs", &dst_obj, &src_obj, &doff_obj, &soff_obj,
+                          &nbytes))
+        return NULL;
+    if (nbytes < 0) {
+        PyErr_Format(PyExc_ValueError, "copy_runs: nbytes is %zd", nbytes);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(dst_obj, &dv, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(src_obj, &sv, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dv);
+        return NULL;
+    }
+    if (get_offsets(doff_obj, &dov, "dst_offsets") < 0) {
+        PyBuffer_Release(&sv);
+        PyBuffer_Release(&dv);
+        return NULL;
+    }
+    if (get_offsets(soff_obj, &sov, "src_offsets") < 0) {
+        PyBuffer_Release(&dov);
+        PyBuffer_Release(&sv);
+        PyBuffer_Release(&dv);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    const int64_t *doff = (const int64_t *)dov.buf, *soff = (const int64_t *)sov.buf;
+    Py_ssize_t count = dov.len / 8;
+    if (sov.len / 8 != count) {
+        PyErr_Format(PyExc_ValueError, "copy_runs: %zd destination offsets, %zd source offsets",
+                     count, sov.len / 8);
+        goto done;
+    }
+    char *d = (char *)dv.buf;
+    const char *s = (const char *)sv.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (doff[i] < 0 || doff[i] > dv.len - nbytes || soff[i] < 0 || soff[i] > sv.len - nbytes) {
+            PyErr_Format(PyExc_ValueError,
+                         "copy_runs: run %zd of %zd bytes at %lld -> %lld lies outside the "
+                         "source (%zd bytes) or destination (%zd bytes)",
+                         i, nbytes, (long long)soff[i], (long long)doff[i], sv.len, dv.len);
+            goto done;
+        }
+        const char *rd = d + doff[i], *rs = s + soff[i];
+        if (nbytes > 0 && rd < rs + nbytes && rs < rd + nbytes) {
+            PyErr_Format(PyExc_ValueError, "copy_runs: run %zd overlaps its source", i);
+            goto done;
+        }
+    }
+    if (nbytes * count >= GIL_FREE_MIN_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < count; i++)
+            copy_run(d + doff[i], s + soff[i], (size_t)nbytes);
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++)
+            copy_run(d + doff[i], s + soff[i], (size_t)nbytes);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&sov);
+    PyBuffer_Release(&dov);
+    PyBuffer_Release(&sv);
+    PyBuffer_Release(&dv);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS, copy_doc},
+    {"copy_runs", copy_runs, METH_VARARGS, copy_runs_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -224,7 +392,15 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__fastcopy(void)
 {
+#if HAVE_AVX2_LOOP
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+#endif
     PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "RUNS_AVX2", use_avx2) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (m != NULL && PyModule_AddIntConstant(m, "STREAMING", HAVE_STREAM) < 0) {
         Py_DECREF(m);
         return NULL;
