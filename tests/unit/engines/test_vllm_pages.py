@@ -83,3 +83,72 @@ def test_mover_round_trip_through_an_arena(planes: bool) -> None:
     for n in LAYERS:
         idx = torch.tensor(untouched)
         assert not (dst[n][:, idx] if planes else dst[n][idx]).any()
+
+
+def per_block_to_pages(paged: PagedKV, arena: torch.Tensor, layer: int, pairs) -> None:
+    """The straightforward reference: one slice copy per block and plane."""
+    n = paged.inner
+    for offset, block_id in pairs:
+        for o in range(paged.outer):
+            paged.pages[layer][o, block_id] = arena[offset + o * n : offset + (o + 1) * n]
+
+
+def per_block_from_pages(paged: PagedKV, arena: torch.Tensor, layer: int, pairs) -> None:
+    n = paged.inner
+    for offset, block_id in pairs:
+        for o in range(paged.outer):
+            arena[offset + o * n : offset + (o + 1) * n] = paged.pages[layer][o, block_id]
+
+
+def random_pairs(layer_bytes: int, num_blocks: int, seed: int) -> list[list[tuple[int, int]]]:
+    """Per layer: (arena offset of the layer's part, vLLM block id) of 5 blocks in
+    scattered arena slots and vLLM blocks, as the worker passes them."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(12, generator=g)[:5].tolist()
+    ids = torch.randperm(num_blocks, generator=g)[:5].tolist()
+    return [
+        [(s * 2 * layer_bytes + layer * layer_bytes, b) for s, b in zip(slots, ids)]
+        for layer in range(2)
+    ]
+
+
+@pytest.mark.parametrize("planes", [False, True])
+def test_mover_copies_what_one_copy_per_block_copies(planes: bool) -> None:
+    # CPU pages: 272 KiB a layer's block, past the C loop's 256 KiB streaming floor
+    # and not a whole number of its 128-byte steps; planes: 16 KiB each (memcpy).
+    shape = (2, 9, 64, 4, 32) if planes else (9, 8, 64, 272)
+    layer_bytes = 2 * 64 * 4 * 32 * 2 if planes else 8 * 64 * 272 * 2
+    made = {n: torch.randn(shape).bfloat16() for n in LAYERS}
+    paged = PagedKV(made, LAYERS, layer_bytes)
+    pairs = random_pairs(layer_bytes, 9, seed=7)
+    arena = torch.randint(0, 256, (12 * 2 * layer_bytes,), dtype=torch.uint8)
+    ref_arena = arena.clone()
+    for layer in range(2):  # out of the pages: the save path
+        CpuPageMover(paged, arena).from_pages(layer, pairs[layer])
+        per_block_from_pages(paged, ref_arena, layer, pairs[layer])
+    assert torch.equal(arena, ref_arena)
+
+    got = {n: torch.randn(shape).bfloat16() for n in LAYERS}  # into the pages: the load path
+    want = {n: t.clone() for n, t in got.items()}
+    got_paged, want_paged = PagedKV(got, LAYERS, layer_bytes), PagedKV(want, LAYERS, layer_bytes)
+    for layer in range(2):
+        CpuPageMover(got_paged, arena).to_pages(layer, pairs[layer])
+        per_block_to_pages(want_paged, arena, layer, pairs[layer])
+    for n in LAYERS:
+        assert torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8))
+
+    # Negative control: the reference with two blocks' ids swapped differs.
+    wrong = {n: t.clone() for n, t in want.items()}
+    wrong_paged = PagedKV(wrong, LAYERS, layer_bytes)
+    (o0, b0), (o1, b1), *rest = pairs[0]
+    per_block_to_pages(wrong_paged, arena, 0, [(o0, b1), (o1, b0), *rest])
+    assert not torch.equal(wrong[LAYERS[0]].view(torch.uint8), got[LAYERS[0]].view(torch.uint8))
+
+
+def test_mover_refuses_a_block_id_outside_the_pages() -> None:
+    paged = PagedKV(cpu_caches(), LAYERS, 256)
+    mover = CpuPageMover(paged, torch.zeros(4096, dtype=torch.uint8))
+    with pytest.raises(IndexError, match="block id"):
+        mover.to_pages(0, [(0, 6)])
+    with pytest.raises(IndexError, match="block id"):
+        mover.from_pages(0, [(0, -1)])

@@ -6,9 +6,9 @@ Provides:
   ``outer == 1``: one block of one layer is one contiguous range; a layout
   with K and V planes apart, like flash-attention's ``[2, blocks, ...]``,
   has ``outer == 2``).
-- ``CpuPageMover``: the copies on the CPU (one streaming copy per block,
-  layer and plane; ``tierstore.memory.memcopy``). The CUDA one is in
-  ``vllm.cuda``.
+- ``CpuPageMover``: the copies on the CPU, one ``memcopy.copy_runs`` call
+  per layer for all its blocks and planes (no Python per block). The CUDA
+  one is in ``vllm.cuda``.
 - ``ConnectorWorker``: one engine step's loads (``load``: acquire the
   planned blocks, copy them into their pages, layer by layer) and saves
   (``reserve`` before the forward, ``save_layer`` after each layer's
@@ -43,7 +43,7 @@ from tierstore.engines.vllm.link import StoreLink
 from tierstore.engines.vllm.plan import LoadSpec, SaveSpec
 from tierstore.errors import TierstoreError
 from tierstore.keys import BlockKey, KVLayout
-from tierstore.memory.memcopy import copy_into
+from tierstore.memory.memcopy import copy_runs
 
 log = logging.getLogger("tierstore.engines.vllm")
 
@@ -101,24 +101,38 @@ class PageMover(Protocol):
 
 
 class CpuPageMover:
-    """Synchronous copies on the calling thread."""
+    """Synchronous copies on the calling thread: one ``copy_runs`` per layer
+    (its GIL-free C loop copies every block's planes of that layer). One
+    thread: on the 2-core VM a second one added no bandwidth (``_fastcopy.c``),
+    and vLLM-CPU pins the worker to its OpenMP cores."""
 
     def __init__(self, paged: PagedKV, arena: torch.Tensor) -> None:
         self.arena = arena.numpy()
         self.pages = [p.numpy() for p in paged.pages]
-        self.outer, self.inner = paged.outer, paged.inner
+        self.inner = paged.inner
+        outer, self.num_blocks = paged.pages[0].shape[:2]
+        # Where plane o of a block starts, in the arena's part (o * inner) and
+        # in a layer's page past the block's own start (o * num_blocks * inner).
+        planes = np.arange(outer, dtype=np.int64)
+        self._arena_planes = planes * self.inner
+        self._page_planes = planes * (self.num_blocks * self.inner)
+
+    def _runs(self, pairs: Pairs) -> tuple[np.ndarray, np.ndarray]:
+        """(arena offsets, page offsets) of every plane of every pair."""
+        a = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        if len(a) and not 0 <= a[:, 1].min() <= a[:, 1].max() < self.num_blocks:
+            raise IndexError(f"a vLLM block id outside 0..{self.num_blocks - 1}")
+        arena = (a[:, :1] + self._arena_planes).reshape(-1)
+        page = (a[:, 1:] * self.inner + self._page_planes).reshape(-1)
+        return arena, page
 
     def to_pages(self, layer: int, pairs: Pairs) -> None:
-        page, n = self.pages[layer], self.inner
-        for offset, block_id in pairs:
-            for o in range(self.outer):
-                copy_into(page[o, block_id], self.arena[offset + o * n : offset + (o + 1) * n])
+        arena, page = self._runs(pairs)
+        copy_runs(self.pages[layer], self.arena, page, arena, self.inner)
 
     def from_pages(self, layer: int, pairs: Pairs) -> None:
-        page, n = self.pages[layer], self.inner
-        for offset, block_id in pairs:
-            for o in range(self.outer):
-                copy_into(self.arena[offset + o * n : offset + (o + 1) * n], page[o, block_id])
+        arena, page = self._runs(pairs)
+        copy_runs(self.arena, self.pages[layer], arena, page, self.inner)
 
     def layer_ready(self, layer: int) -> None:
         return
