@@ -67,6 +67,11 @@ class Spec:
     prefetch: bool = True
     model: str = "tierstore-test/tiny"
     timeout_s: float = 60.0  # each wait on a controller queue
+    memcpy_reps: int = 0  # also time torch's copy of the conversation's bytes, this often
+    # Specs with the same session share their two ranks (pools, controllers,
+    # sidecar links), as one SGLang process serves many requests: a bench's
+    # runs after the first meet warm links. "" = ranks of its own.
+    session: str = ""
     settings: dict[str, Any] = field(default_factory=dict)  # tierstore's extra config
 
     @property
@@ -87,6 +92,7 @@ class Result:
     pages_equal: int = 0
     first_unequal: int = -1
     page_bytes: int = 0
+    memcpy_s: list[float] = field(default_factory=list)  # each copy of pages * page_bytes
     backup_stats: dict[str, Any] = field(default_factory=dict)  # TierstoreStorage.stats
     prefetch_stats: dict[str, Any] = field(default_factory=dict)
 
@@ -247,6 +253,23 @@ def compare(
     return pages, equal, first_bad
 
 
+def time_memcpy(num_bytes: int, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` copies of ``num_bytes`` between two touched
+    host buffers: torch's copy, on the threads the backend's copies get."""
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.zeros(num_bytes, dtype=torch.uint8)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+_SESSIONS: dict[str, tuple[Rank, Rank]] = {}
+
+
 def run(spec: Spec) -> Result:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
     from sglang.srt.runtime_context import get_parallel
@@ -256,35 +279,57 @@ def run(spec: Spec) -> Result:
     tokens = spec.tokens
     keys = get_storage_hash_str(tokens, None, page_size=spec.page_size)
     result = Result()
-    ranks: list[Rank] = []
     with get_parallel().override(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
     ):
-        try:
+        if spec.session in _SESSIONS:
+            source, reader = _SESSIONS[spec.session]
+        else:
             source = Rank(spec, spec.source_layout or spec.layout)
-            ranks.append(source)
-            source.fill(spec.seed if spec.data_seed < 0 else spec.data_seed)
-            result.page_bytes = source.host.get_size_per_token() * spec.page_size
-            # The pages the backup wrote: the first alloc of a fresh pool, in
-            # this process or in the one that ran the backup.
-            written = source.alloc(len(tokens))
-            if spec.backup:
-                result.backup_tokens, result.backup_s = source.backup(written, tokens, keys)
-                result.backup_stats = source.stats()
-            if spec.prefetch:
-                reader = Rank(spec, spec.layout)
-                ranks.append(reader)
-                got, result.hit_tokens, done, result.prefetch_s = reader.prefetch(tokens)
-                result.prefetched_tokens = done
-                if got is not None:
-                    result.pages_compared, result.pages_equal, result.first_unequal = compare(
-                        reader.host, got, source.host, written, done
-                    )
-                result.prefetch_stats = reader.stats()
+            reader = Rank(spec, spec.layout)
+        try:
+            _run(spec, source, reader, tokens, keys, result)
         finally:
-            for rank in ranks:
-                rank.close()
+            if spec.session:
+                _SESSIONS[spec.session] = (source, reader)
+            else:
+                source.close()
+                reader.close()
     return result
+
+
+def _run(
+    spec: Spec, source: Rank, reader: Rank, tokens: list[int], keys: list[str], result: Result
+) -> None:
+    source.fill(spec.seed if spec.data_seed < 0 else spec.data_seed)
+    result.page_bytes = source.host.get_size_per_token() * spec.page_size
+    if spec.memcpy_reps > 0:
+        result.memcpy_s = time_memcpy(result.page_bytes * spec.pages, spec.memcpy_reps)
+    # The pages the backup wrote: the first alloc of a fresh pool, in this
+    # process or in the one that ran the backup.
+    written = source.alloc(len(tokens))
+    try:
+        if spec.backup:
+            result.backup_tokens, result.backup_s = source.backup(written, tokens, keys)
+            result.backup_stats = source.stats()
+        if spec.prefetch:
+            got, result.hit_tokens, done, result.prefetch_s = reader.prefetch(tokens)
+            result.prefetched_tokens = done
+            if got is not None:
+                result.pages_compared, result.pages_equal, result.first_unequal = compare(
+                    reader.host, got, source.host, written, done
+                )
+                reader.host.free(got)
+            result.prefetch_stats = reader.stats()
+    finally:
+        source.host.free(written)
+
+
+def close_sessions() -> None:
+    for source, reader in _SESSIONS.values():
+        source.close()
+        reader.close()
+    _SESSIONS.clear()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     # One after the other in this process (SGLang imports once), each with
     # pools and a controller of its own.
-    results = [asdict(run(Spec(**one))) for one in specs]
+    try:
+        results = [asdict(run(Spec(**one))) for one in specs]
+    finally:
+        close_sessions()
     print(json.dumps(results if isinstance(raw, list) else results[0]), flush=True)
     return 0
 

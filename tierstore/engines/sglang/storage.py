@@ -72,6 +72,9 @@ class StorageStats:
     errors: int = 0  # calls that failed (sidecar gone): answered as misses
     stored_bytes: int = 0
     loaded_bytes: int = 0
+    lookup_s: float = 0.0  # wall time in batch_exists, summed over the calling threads
+    store_s: float = 0.0  # in the sets (reserve, copies, commit)
+    load_s: float = 0.0  # in the gets (pin, copies, release)
     hit_tiers: dict[str, int] = field(default_factory=dict)  # by the tier that held them
 
 
@@ -132,6 +135,7 @@ class TierstoreStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         layout, _ = self._ready()
+        t0 = time.perf_counter()
         client = self._client()
         found = 0
         tiers: tuple[Any, ...] = ()
@@ -146,6 +150,7 @@ class TierstoreStorage(HiCacheStorage):
         with self._lock:
             self.stats.queried_pages += len(keys)
             self.stats.hit_pages += found
+            self.stats.lookup_s += time.perf_counter() - t0
             for tier in tiers:
                 name = str(getattr(tier, "value", tier))
                 self.stats.hit_tiers[name] = self.stats.hit_tiers.get(name, 0) + 1
@@ -214,10 +219,10 @@ class TierstoreStorage(HiCacheStorage):
         """Write ``blocks`` (views in the block order) under ``keys``."""
         _, pages = self._ready()
         done = [False] * len(keys)
+        t0 = time.perf_counter()
         client = self._client()
         if client is None or not keys:
             return done
-        t0 = time.perf_counter()
         bkeys = block_keys(layout, keys)
         stored = existing = refused = 0
         try:
@@ -252,6 +257,7 @@ class TierstoreStorage(HiCacheStorage):
             self.stats.existing_pages += existing
             self.stats.refused_pages += refused
             self.stats.stored_bytes += stored * layout.block_bytes
+            self.stats.store_s += dt
             if self.config.enable_storage_metrics and stored:
                 self._metrics["backup_pgs"].append(stored)
                 self._metrics["backup_bandwidth"].append(stored * layout.block_bytes / dt / 1e9)
@@ -260,9 +266,9 @@ class TierstoreStorage(HiCacheStorage):
     def _load(self, layout: KVLayout, keys: list[str], blocks: list[torch.Tensor]) -> list[bool]:
         """Fill ``blocks`` (views in the block order) with the longest prefix held."""
         _, pages = self._ready()
+        t0 = time.perf_counter()
         client = self._client()
         loaded = 0
-        t0 = time.perf_counter()
         if client is not None and keys:
             bkeys = block_keys(layout, keys)
             try:
@@ -287,6 +293,7 @@ class TierstoreStorage(HiCacheStorage):
             self.stats.loaded_pages += loaded
             self.stats.missed_pages += len(keys) - loaded
             self.stats.loaded_bytes += loaded * layout.block_bytes
+            self.stats.load_s += dt
             if self.config.enable_storage_metrics and loaded:
                 self._metrics["prefetch_pgs"].append(loaded)
                 self._metrics["prefetch_bandwidth"].append(loaded * layout.block_bytes / dt / 1e9)

@@ -1,0 +1,197 @@
+"""SGLang's HiCache L3 through its real controller: tierstore against HiCacheFile.
+
+    python bench/sglang.py [--json] [--reps 3] [--pages 32] [--page-size 64]
+
+One driver process in SGLang's own environment (bench/sglang_env.sh, built
+on first use) runs SGLang's ``HiCacheController`` on the CPU over an
+``MHATokenToKVPoolHost`` with an 8B model's KV per token (32 layers x 8 KV
+heads x head_dim 128, bf16: 128 KiB a token, 8 MiB a 64-token page). Each
+run backs a conversation of ``--pages`` pages up through the controller's
+backup thread, timed from ``write_storage`` to its ack, and prefetches it
+into a fresh host pool, timed from ``prefetch`` to the last ack (the hit
+query and the transfer), then compares every page token by token.
+
+Backends, interleaved run by run (A B C D A B C D ...), each run on new
+tokens and new bytes, each backend on ranks of its own that live through
+the whole bench (as in an SGLang server), after one warm-up run each that
+is reported but not counted:
+
+- ``tierstore``: ``TierstoreStorage`` on the v1 path (``interface_v1``: the
+  backend copies between the host pool and the sidecar's arena), against a
+  local sidecar (DRAM, NVMe behind it);
+- ``tierstore_generic``: the same on SGLang's generic path (flat pages);
+- ``file``: SGLang's own ``HiCacheFile`` (one file per page, its default
+  L3), in a directory on this machine's disk (``--file-dir``);
+- ``file_shm``: ``HiCacheFile`` on /dev/shm (tmpfs: no disk at all), the
+  same backend with its storage at memory speed.
+
+``memcpy_gbps``: torch's copy of the same bytes between two touched host
+buffers, in the same process, on the same threads the copies get, timed
+between the runs. Each figure is the median of ``--reps`` runs; every run
+is in the JSON. ``byte_exact``: every page of every run came back equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import emit, ratio, sidecar  # noqa: E402
+
+MODEL = {"layers": 32, "heads": 8, "head_dim": 128, "dtype": "bfloat16"}
+BACKENDS = ("tierstore", "tierstore_generic", "file", "file_shm")
+DEFAULT_VENV = Path.home() / ".cache" / "tierstore-bench" / "sglang-venv"
+
+
+def sglang_python() -> Path:
+    venv = Path(os.environ.get("SGLANG_VENV") or DEFAULT_VENV)
+    subprocess.run(["bash", str(ROOT / "bench" / "sglang_env.sh"), str(venv)], check=True,
+                   stdout=sys.stderr, timeout=1800)  # fmt: skip
+    return venv / "bin" / "python"
+
+
+def specs(args: argparse.Namespace, sock: Path, file_dirs: dict[str, str]) -> list[dict[str, Any]]:
+    """A warm-up run per backend (not counted), then ``reps`` rounds of one
+    run per backend; each backend keeps its ranks (``session``) throughout."""
+    out = []
+    for rep in range(args.reps + 1):
+        for i, backend in enumerate(BACKENDS):
+            spec: dict[str, Any] = {
+                **MODEL,
+                "page_size": args.page_size,
+                "pages": args.pages,
+                "layout": args.layout,
+                "seed": 1000 * (rep + 1) + i,
+                "timeout_s": 300.0,
+                "memcpy_reps": 3 if i == 0 and rep > 0 else 0,
+                "session": backend,
+            }
+            if backend.startswith("tierstore"):
+                spec.update(backend="tierstore", socket_path=str(sock),
+                            interface_v1=backend == "tierstore")  # fmt: skip
+            else:
+                spec.update(backend="file", file_dir=file_dirs[backend])
+            out.append(spec)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--pages", type=int, default=32, help="pages per conversation")
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--layout", default="page_first",
+                        choices=["layer_first", "page_first", "page_first_direct"])  # fmt: skip
+    parser.add_argument("--file-dir", default="", help="HiCacheFile's directory (default: a "
+                        "new one under the system temp dir, on disk)")  # fmt: skip
+    parser.add_argument("--dram", default="3GiB", help="the sidecar's DRAM tier")
+    args = parser.parse_args()
+    python = sglang_python()
+    tmp = Path(tempfile.mkdtemp(prefix="tierstore-sglang-bench-"))
+    disk_dir = Path(args.file_dir) if args.file_dir else tmp / "hicache-file"
+    shm_dir = Path(tempfile.mkdtemp(prefix="tierstore-sglang-bench-", dir="/dev/shm"))
+    file_dirs = {"file": str(disk_dir), "file_shm": str(shm_dir)}
+    try:
+        (tmp / "sidecar").mkdir()
+        with sidecar(tmp / "sidecar", _bytes(args.dram)) as sock:
+            runs = specs(args, sock, file_dirs)
+            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            proc = subprocess.run(
+                [str(python), "-m", "tierstore.engines.sglang.driver", json.dumps(runs)],
+                capture_output=True, text=True, env=env, timeout=3600,
+            )  # fmt: skip
+            if proc.returncode != 0:
+                sys.stderr.write(proc.stderr[-6000:])
+                return 1
+            results = json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    emit(summarize(args, runs, results, disk_dir), args.json)
+    return 0
+
+
+def _bytes(text: str) -> int:
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    for unit, mult in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * mult)
+    return int(text)
+
+
+def summarize(
+    args: argparse.Namespace, runs: list[dict[str, Any]], results: list[dict[str, Any]],
+    disk_dir: Path,
+) -> dict[str, Any]:  # fmt: skip
+    total = args.pages * args.page_size
+    per: dict[str, dict[str, list[float]]] = {b: {"backup": [], "prefetch": []} for b in BACKENDS}
+    exact, memcpy = True, []
+    for i, r in enumerate(results[len(BACKENDS) :]):  # the warm-up round is left out
+        backend = BACKENDS[i % len(BACKENDS)]
+        nbytes = r["page_bytes"] * args.pages
+        complete = r["backup_tokens"] == total and r["prefetched_tokens"] == total
+        exact = exact and complete and r["pages_equal"] == r["pages_compared"] == args.pages
+        per[backend]["backup"].append(nbytes / r["backup_s"] / 1e9 if r["backup_s"] else 0.0)
+        per[backend]["prefetch"].append(nbytes / r["prefetch_s"] / 1e9 if r["prefetch_s"] else 0.0)
+        memcpy += [nbytes / s / 1e9 for s in r["memcpy_s"]]
+    med = {b: {k: statistics.median(v) for k, v in d.items()} for b, d in per.items()}
+    mc = statistics.median(memcpy)
+    out: dict[str, Any] = {
+        "model": "8B-like KV: 32 layers x 8 KV heads x 128, bf16",
+        "page_size": args.page_size,
+        "pages": args.pages,
+        "conversation_bytes": results[0]["page_bytes"] * args.pages,
+        "layout": args.layout,
+        "reps": args.reps,
+        "file_dir_fs": _fs_type(disk_dir),
+    }
+    for backend in BACKENDS:
+        out[f"{backend}_backup_gbps"] = round(med[backend]["backup"], 3)
+        out[f"{backend}_prefetch_gbps"] = round(med[backend]["prefetch"], 3)
+    out["memcpy_gbps"] = round(mc, 3)
+    out["byte_exact"] = exact
+    out["tierstore_vs_file_backup"] = ratio(med["tierstore"]["backup"], med["file"]["backup"])
+    out["tierstore_vs_file_prefetch"] = ratio(med["tierstore"]["prefetch"], med["file"]["prefetch"])
+    out["tierstore_vs_file_shm_backup"] = ratio(
+        med["tierstore"]["backup"], med["file_shm"]["backup"]
+    )
+    out["tierstore_vs_file_shm_prefetch"] = ratio(
+        med["tierstore"]["prefetch"], med["file_shm"]["prefetch"]
+    )
+    out["tierstore_backup_vs_memcpy"] = ratio(med["tierstore"]["backup"], mc)
+    out["tierstore_prefetch_vs_memcpy"] = ratio(med["tierstore"]["prefetch"], mc)
+    out["runs"] = {b: {k: [round(x, 3) for x in v] for k, v in d.items()} for b, d in per.items()}
+    out["memcpy_runs_gbps"] = [round(x, 3) for x in memcpy]
+    out["warmup_runs"] = {
+        b: {"backup_s": round(r["backup_s"], 3), "prefetch_s": round(r["prefetch_s"], 3)}
+        for b, r in zip(BACKENDS, results)
+    }
+    last = len(results) - len(BACKENDS)
+    out["tierstore_backup_stats"] = results[last]["backup_stats"]
+    out["tierstore_prefetch_stats"] = results[last]["prefetch_stats"]
+    return out
+
+
+def _fs_type(path: Path) -> str:
+    probe = path if path.exists() else path.parent
+    try:
+        return subprocess.run(["stat", "-f", "-c", "%T", str(probe)], capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
