@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import blake3
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from tierstore.engines.sglang.layout import (
     storage_layout,
 )
 from tierstore.engines.sglang.pages import HostPages, PageLayoutError, PageShape
+from tierstore.memory.memcopy import copy_runs
 
 L, PS, H, D = 3, 4, 2, 5
 PAGES = 3
@@ -181,3 +183,36 @@ def test_host_pages_reads_an_mha_host_pool_by_attribute() -> None:
         host_pages(SimpleNamespace(kv_buffer=None))
     with pytest.raises(PageLayoutError, match="K and V head dims differ"):
         host_pages(SimpleNamespace(**{**vars(pool), "v_head_dim": D + 1}))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_runs_copy_a_batch_like_the_views_do(layout: str) -> None:
+    """store_runs / load_runs (one copy_runs call per batch) against the
+    per-page copy through block_view; slots out of order, pages out of order."""
+    src = HostPages(host_buffer(layout), layout, SHAPE)
+    n = SHAPE.block_bytes
+    arena = np.zeros(4 * n, dtype=np.uint8)
+    slots, starts = [2 * n, 0, 3 * n], [PS, 2 * PS, 0]
+    src.store_runs(arena, slots, starts)
+    rows = torch.from_numpy(arena)
+    for slot, start in zip(slots, starts):
+        assert torch.equal(src.as_block(rows[slot : slot + n]), src.block_view(start))
+    assert not arena[n : 2 * n].any()  # the slot not named is untouched
+    dst = HostPages(torch.zeros_like(host_buffer(layout)), layout, SHAPE)
+    dst.load_runs(arena, slots, starts)
+    for start in starts:
+        assert torch.equal(dst.block_view(start), src.block_view(start))
+    assert dst.run_bytes == {"layer_first": PS * H * D, "page_first": H * D,
+                             "page_first_direct": L * PS * H * D}[layout] * 4  # fmt: skip
+
+
+def test_runs_in_the_wrong_order_would_fail_the_copy_check() -> None:
+    """Negative control: the page_first pattern read as if the layout were
+    layer_first (runs of a whole page of one layer) is not the block."""
+    kv = host_buffer("page_first")
+    src = HostPages(kv, "page_first", SHAPE)
+    n = SHAPE.block_bytes
+    arena = np.zeros(n, dtype=np.uint8)
+    wrong = np.arange(2 * L, dtype=np.int64) * PS * H * D * 4  # layer_first's pattern
+    copy_runs(arena, kv.view(-1).view(torch.uint8).numpy(), wrong, wrong, PS * H * D * 4)
+    assert not torch.equal(src.as_block(torch.from_numpy(arena)), src.block_view(0))

@@ -16,18 +16,29 @@ order as a strided view (no copy): ``arena_block.copy_(view)`` writes the
 block straight from the host pool, ``view.copy_(arena_block)`` reads it
 back, with no tensor in between.
 
+``store_runs`` / ``load_runs`` move a whole batch of pages between the
+host pool and arena slots in one ``memcopy.copy_runs`` call (GIL-free C, no
+Python per page or run): each page is a few contiguous runs, the same for
+every page of a layout (2 for ``page_first_direct``, 2 x layers for
+``layer_first``, 2 x layers x page_size for ``page_first``).
+
 ``flat_view`` does the same for the flat pages of SGLang's generic path
 (``get_data_page(flat=True)`` / ``set_from_flat_data_page``), whose byte
 order follows the host layout: token-major for ``page_first``.
 
-Pure torch; no SGLang import, so it is tested without SGLang.
+Pure torch and numpy; no SGLang import, so it is tested without SGLang.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
+
+from tierstore.memory.memcopy import copy_runs
 
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
@@ -85,6 +96,35 @@ class HostPages:
         self.shape = shape
         tokens = got[2] if layout == "layer_first" else got[1]
         self.num_tokens = tokens * (s.page_size if layout == "page_first_direct" else 1)
+        self._bytes = kv_buffer.view(-1).view(torch.uint8).numpy()
+        self._pattern, self.run_bytes = _runs(self.block_view(0))
+
+    def _starts(self, starts: Sequence[int]) -> np.ndarray:
+        """Byte offset of each page's first element in the host buffer."""
+        item = self.shape.dtype.itemsize
+        return np.array(
+            [self.block_view(s).storage_offset() * item for s in starts], dtype=np.int64
+        )
+
+    def _offsets(self, starts: Sequence[int], slots: Sequence[int]) -> tuple[Any, Any]:
+        if len(starts) != len(slots):
+            raise ValueError(f"{len(starts)} pages, {len(slots)} arena slots")
+        host = (self._starts(starts)[:, None] + self._pattern[None, :]).reshape(-1)
+        runs = np.arange(len(self._pattern), dtype=np.int64) * self.run_bytes
+        arena = (np.asarray(slots, dtype=np.int64)[:, None] + runs[None, :]).reshape(-1)
+        return host, arena
+
+    def store_runs(self, arena: Any, slots: Sequence[int], starts: Sequence[int]) -> None:
+        """Copy the pages at host token slots ``starts`` into the arena
+        (a writable buffer) at byte offsets ``slots``, in the block order."""
+        host, at = self._offsets(starts, slots)
+        copy_runs(arena, self._bytes, at, host, self.run_bytes)
+
+    def load_runs(self, arena: Any, slots: Sequence[int], starts: Sequence[int]) -> None:
+        """Copy blocks at arena byte offsets ``slots`` into the host pages
+        at token slots ``starts``."""
+        host, at = self._offsets(starts, slots)
+        copy_runs(self._bytes, arena, host, at, self.run_bytes)
 
     def _check(self, index: int) -> None:
         ps = self.shape.page_size
@@ -121,3 +161,18 @@ class HostPages:
     def as_block(self, row: torch.Tensor) -> torch.Tensor:
         """An arena row (uint8, block_bytes) viewed as a block of this dtype."""
         return row.view(self.shape.dtype).view(self.shape.block_shape)
+
+
+def _runs(view: torch.Tensor) -> tuple[np.ndarray, int]:
+    """The contiguous byte runs of ``view`` (in its element order), relative
+    to its first element: their offsets and their common length."""
+    item = view.element_size()
+    shape, strides = list(view.shape), list(view.stride())
+    run, dim = 1, len(shape)
+    while dim > 0 and strides[dim - 1] == run:  # the contiguous suffix of dims
+        run *= shape[dim - 1]
+        dim -= 1
+    offsets = np.zeros(1, dtype=np.int64)
+    for size, stride in zip(shape[:dim], strides[:dim]):
+        offsets = (offsets[:, None] + np.arange(size, dtype=np.int64)[None, :] * stride).reshape(-1)
+    return offsets * item, run * item

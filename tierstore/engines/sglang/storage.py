@@ -19,8 +19,9 @@ own (``StoreLink``: a sidecar that is gone gives misses within
   pages), the length of the leading run held (DRAM, NVMe, and with
   ``include_peers`` the group's other sidecars and the bucket).
 - ``batch_set_v1`` / ``batch_get_v1(keys, host_indices)`` (``interface_v1``):
-  reserve (or pin) the batch's blocks in the sidecar's arena and copy each
-  page between the host pool and the arena directly (``pages.HostPages``).
+  reserve (or pin) the batch's blocks in the sidecar's arena and copy the
+  pages between the host pool and the arena directly, the whole batch in one
+  GIL-free call (``pages.HostPages``).
   A get pins the longest prefix held (promoting from NVMe, fetching from a
   peer or the bucket within ``load_deadline_s``), verified by the sidecar on
   the way in, and reports the rest as misses: SGLang recomputes them.
@@ -42,6 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,14 +168,22 @@ class TierstoreStorage(HiCacheStorage):
     ) -> list[bool]:
         layout, pages = self._ready()
         starts = _page_starts(host_indices, len(keys), pages.shape.page_size)
-        return self._store(layout, keys, [pages.block_view(s) for s in starts])
+
+        def copy(client: StoreClient, slots: list[int], pages_at: list[int]) -> None:
+            pages.store_runs(client.arena.buf, slots, [starts[i] for i in pages_at])
+
+        return self._store(layout, keys, copy)
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         layout, pages = self._ready()
         starts = _page_starts(host_indices, len(keys), pages.shape.page_size)
-        return self._load(layout, keys, [pages.block_view(s) for s in starts])
+
+        def copy(client: StoreClient, slots: list[int], pages_at: list[int]) -> None:
+            pages.load_runs(client.arena.buf, slots, [starts[i] for i in pages_at])
+
+        return self._load(layout, keys, copy)
 
     # -- SGLang's generic path: flat page tensors -----------------------------------
 
@@ -187,7 +197,11 @@ class TierstoreStorage(HiCacheStorage):
         layout, pages = self._ready()
         if values is None or len(values) != len(keys):
             raise ValueError(f"batch_set: {len(keys)} keys need as many pages")
-        return all(self._store(layout, keys, [pages.flat_view(v) for v in values]))
+        return all(
+            self._store(
+                layout, keys, _copy_views([pages.flat_view(v) for v in values], pages, True)
+            )
+        )
 
     def set(
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
@@ -201,7 +215,7 @@ class TierstoreStorage(HiCacheStorage):
         if target_locations is None or len(target_locations) != len(keys):
             raise ValueError(f"batch_get: {len(keys)} keys need as many target pages")
         views = [pages.flat_view(t) for t in target_locations]
-        got = self._load(layout, keys, views)
+        got = self._load(layout, keys, _copy_views(views, pages, False))
         return [t if ok else None for t, ok in zip(target_locations, got)]
 
     def get(
@@ -215,9 +229,9 @@ class TierstoreStorage(HiCacheStorage):
 
     # -- the copies -----------------------------------------------------------------
 
-    def _store(self, layout: KVLayout, keys: list[str], blocks: list[torch.Tensor]) -> list[bool]:
-        """Write ``blocks`` (views in the block order) under ``keys``."""
-        _, pages = self._ready()
+    def _store(self, layout: KVLayout, keys: list[str], copy: PageCopy) -> list[bool]:
+        """Store the batch's pages under ``keys``: reserve, ``copy`` the
+        pages into the reserved slots, commit."""
         done = [False] * len(keys)
         t0 = time.perf_counter()
         client = self._client()
@@ -237,10 +251,7 @@ class TierstoreStorage(HiCacheStorage):
                     elif status != ReserveStatus.OK:
                         refused += 1
                 try:
-                    arena, n = client.arena_tensor, layout.block_bytes
-                    for i in fill:
-                        offset = reserved.offsets[i - lo]
-                        pages.as_block(arena[offset : offset + n]).copy_(blocks[i])
+                    copy(client, [reserved.offsets[i - lo] for i in fill], fill)
                 except BaseException:  # no half-written block is ever committed
                     client.abort(layout, [bkeys[i] for i in fill])
                     raise
@@ -263,9 +274,9 @@ class TierstoreStorage(HiCacheStorage):
                 self._metrics["backup_bandwidth"].append(stored * layout.block_bytes / dt / 1e9)
         return done
 
-    def _load(self, layout: KVLayout, keys: list[str], blocks: list[torch.Tensor]) -> list[bool]:
-        """Fill ``blocks`` (views in the block order) with the longest prefix held."""
-        _, pages = self._ready()
+    def _load(self, layout: KVLayout, keys: list[str], copy: PageCopy) -> list[bool]:
+        """Bring the longest prefix of ``keys`` held into the batch's pages:
+        pin, ``copy`` out of the pinned slots, release."""
         t0 = time.perf_counter()
         client = self._client()
         loaded = 0
@@ -280,9 +291,8 @@ class TierstoreStorage(HiCacheStorage):
                         include_peers=self.settings.include_peers,
                         deadline_s=self.settings.load_deadline_s,
                     ) as pinned:
-                        for i, view in enumerate(pinned.views):
-                            blocks[loaded + i].copy_(pages.as_block(view))
-                        got = len(pinned.views)
+                        got = len(pinned.offsets)
+                        copy(client, list(pinned.offsets), list(range(loaded, loaded + got)))
                     loaded += got
                     if got < len(run):
                         break
@@ -327,6 +337,26 @@ class TierstoreStorage(HiCacheStorage):
             links, self._links = self._links, []
         for link in links:
             link.close()
+
+
+PageCopy = Callable[[StoreClient, list[int], list[int]], None]
+"""Copies pages ``pages_at`` of a batch into (a store) or out of (a load)
+the arena slots at byte offsets ``slots``, through ``client``'s arena."""
+
+
+def _copy_views(views: list[torch.Tensor], pages: HostPages, into_arena: bool) -> PageCopy:
+    """The generic path's copy: one page tensor (in the block order) each."""
+
+    def copy(client: StoreClient, slots: list[int], pages_at: list[int]) -> None:
+        arena, n = client.arena_tensor, pages.shape.block_bytes
+        for slot, i in zip(slots, pages_at):
+            block = pages.as_block(arena[slot : slot + n])
+            if into_arena:
+                block.copy_(views[i])
+            else:
+                views[i].copy_(block)
+
+    return copy
 
 
 def _page_starts(host_indices: torch.Tensor, num_keys: int, page_size: int) -> list[int]:
