@@ -285,8 +285,7 @@ def run(spec: Spec) -> Result:
         if spec.session in _SESSIONS:
             source, reader = _SESSIONS[spec.session]
         else:
-            source = Rank(spec, spec.source_layout or spec.layout)
-            reader = Rank(spec, spec.layout)
+            source, reader = _ranks(spec)
         try:
             _run(spec, source, reader, tokens, keys, result)
         finally:
@@ -296,6 +295,24 @@ def run(spec: Spec) -> Result:
                 source.close()
                 reader.close()
     return result
+
+
+def _ranks(spec: Spec) -> tuple[Rank, Rank]:
+    """The source and reader ranks. SGLang keeps 10 GiB of host memory out
+    of every HiCache pool's budget (HICACHE_HOST_MEMORY_RESERVE_BYTES, sized
+    for GPU servers); on a 24 GiB test machine that leaves nothing, so the
+    pools are booked against what the machine has free, through SGLang's own
+    host_memory_budget_scope."""
+    import psutil
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    with host_memory_budget_scope(psutil.virtual_memory().available):
+        source = Rank(spec, spec.source_layout or spec.layout)
+        try:
+            return source, Rank(spec, spec.layout)
+        except BaseException:
+            source.close()
+            raise
 
 
 def _run(
