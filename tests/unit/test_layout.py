@@ -40,6 +40,13 @@ def test_the_hf_adapter_loads_only_the_engine_side() -> None:
     assert not {m for m in mods if m.startswith(("tierstore.store", "tierstore.sidecar"))}
 
 
+def test_the_sglang_backends_pure_modules_load_neither_sglang_nor_the_store() -> None:
+    mods = loaded_by("import tierstore.engines.sglang.layout, tierstore.engines.sglang.pages")
+    assert not {m for m in mods if m == "sglang" or m.startswith("sglang.")}
+    assert "lmdb" not in mods
+    assert not {m for m in mods if m.startswith(("tierstore.store", "tierstore.sidecar"))}
+
+
 def test_the_router_loads_only_the_peer_client_auth_and_membership() -> None:
     mods = loaded_by("import tierstore.router.service, tierstore.router.router")
     assert "lmdb" not in mods
