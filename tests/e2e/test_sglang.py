@@ -145,6 +145,34 @@ def test_pages_move_between_layouts_and_paths_and_the_oracle_sees_wrong_bytes(
     assert wrong["pages_equal"] == 0
 
 
+def test_mla_pages_round_trip_in_every_layout_and_between_layouts(
+    sglang_python: Path, sidecar: SidecarProcess
+) -> None:
+    """SGLang's MLATokenToKVPool(Host) (one 96-wide latent per token and
+    layer, no K and V): backup then prefetch per layout, then a page_first
+    backup on the generic path read layer_first on the v1 path, and that
+    read against other bytes as the negative control."""
+    mla = {"mla": True, "kv_lora_rank": 64, "qk_rope_head_dim": 32}
+    *same, cross_write, cross_read, wrong = drive_all(sglang_python, [
+        *(spec(sidecar.socket, layout=layout, seed=700 + i, **mla)
+          for i, layout in enumerate(LAYOUTS)),
+        spec(sidecar.socket, layout="page_first", interface_v1=False, seed=710, prefetch=False,
+             **mla),
+        spec(sidecar.socket, layout="layer_first", source_layout="page_first", seed=710,
+             backup=False, **mla),
+        spec(sidecar.socket, layout="layer_first", source_layout="page_first", seed=710,
+             data_seed=711, backup=False, **mla),
+    ])  # fmt: skip
+    for r in same:
+        assert r["backup_stats"]["stored_pages"] == PAGES
+        _all_equal(r)
+        assert r["page_bytes"] == 4 * PAGE * 96 * 2  # 4 layers of a bf16 latent of 96
+    assert cross_write["backup_stats"]["stored_pages"] == PAGES
+    _all_equal(cross_read)
+    assert wrong["pages_compared"] == PAGES
+    assert wrong["pages_equal"] == 0
+
+
 def test_a_second_backup_of_the_same_pages_finds_them_held(
     sglang_python: Path, sidecar: SidecarProcess
 ) -> None:

@@ -138,7 +138,7 @@ def test_the_namespace_comes_from_the_config_and_the_pool() -> None:
     named = storage_layout(config(), SHAPE, StorageSettings(model_name="m", tenant_salt="t"))
     assert (named.model, named.tenant_salt) == ("sglang:m", "t")
     for bad, why in [
-        (config(is_mla_model=True), "MLA"),
+        (config(is_mla_model=True), "MLA config over an MHA host pool"),
         (config(attn_cp_size=2), "context parallelism"),
         (config(dcp_size=2), "decode context"),
         (config(should_split_heads=True), "heads split"),
@@ -179,7 +179,7 @@ def test_host_pages_reads_an_mha_host_pool_by_attribute() -> None:
                            layer_num=L, page_size=PS, head_num=H, head_dim=D,
                            v_head_dim=D, dtype=torch.float32)  # fmt: skip
     assert host_pages(pool).shape == SHAPE
-    with pytest.raises(PageLayoutError, match="only MHA host pools"):
+    with pytest.raises(PageLayoutError, match="only MHA and MLA host pools"):
         host_pages(SimpleNamespace(kv_buffer=None))
     with pytest.raises(PageLayoutError, match="K and V head dims differ"):
         host_pages(SimpleNamespace(**{**vars(pool), "v_head_dim": D + 1}))
@@ -216,3 +216,50 @@ def test_runs_in_the_wrong_order_would_fail_the_copy_check() -> None:
     wrong = np.arange(2 * L, dtype=np.int64) * PS * H * D * 4  # layer_first's pattern
     copy_runs(arena, kv.view(-1).view(torch.uint8).numpy(), wrong, wrong, PS * H * D * 4)
     assert not torch.equal(src.as_block(torch.from_numpy(arena)), src.block_view(0))
+
+
+MLA = PageShape(layers=L, page_size=PS, heads=1, head_dim=D * 2, dtype=torch.float32, planes=1)
+
+
+def mla_buffer(layout: str) -> torch.Tensor:
+    """MLATokenToKVPoolHost's kv_buffer: no plane dim, 1 head of the latent."""
+    x = torch.arange(L * TOKENS * 2 * D, dtype=torch.float32).view(L, TOKENS, 1, 2 * D)
+    if layout == "layer_first":  # (layers, tokens, 1, latent)
+        return x.contiguous()
+    if layout == "page_first":  # (tokens, layers, 1, latent)
+        return x.permute(1, 0, 2, 3).contiguous()
+    # page_first_direct: (pages, layers, page_size, 1, latent)
+    return x.view(L, PAGES, PS, 1, 2 * D).permute(1, 0, 2, 3, 4).contiguous()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mla_pages_are_one_block_order_too(layout: str) -> None:
+    want = torch.arange(L * TOKENS * 2 * D, dtype=torch.float32).view(1, L, TOKENS, 1, 2 * D)
+    src = HostPages(mla_buffer(layout), layout, MLA)
+    arena = np.zeros(PAGES * MLA.block_bytes, dtype=np.uint8)
+    slots = [p * MLA.block_bytes for p in range(PAGES)]
+    src.store_runs(arena, slots, [p * PS for p in range(PAGES)])
+    rows = torch.from_numpy(arena).view(PAGES, MLA.block_bytes)
+    for p in range(PAGES):
+        assert torch.equal(src.block_view(p * PS), want[:, :, p * PS : (p + 1) * PS])
+        assert torch.equal(src.as_block(rows[p]), want[:, :, p * PS : (p + 1) * PS])
+    pool = SimpleNamespace(kv_buffer=mla_buffer(layout), layout=layout, layer_num=L,
+                           page_size=PS, kv_cache_dim=2 * D, dtype=torch.float32)  # fmt: skip
+    assert host_pages(pool).shape == MLA
+
+
+def test_the_mla_namespace_is_one_for_every_rank() -> None:
+    s = StorageSettings()
+    ranks = [
+        storage_layout(config(is_mla_model=True, tp_rank=r, tp_size=2), MLA, s) for r in (0, 1)
+    ]
+    assert ranks[0] == ranks[1]
+    layout = ranks[0]
+    assert (layout.model, layout.num_kv_heads, layout.head_dim, layout.tp_size) == (
+        "sglang:org/model#mla", 1, D, 1)  # fmt: skip
+    assert layout.block_bytes == MLA.block_bytes
+    with pytest.raises(PageLayoutError, match="over an MHA host pool, or the reverse"):
+        storage_layout(config(), MLA, s)
+    odd = PageShape(L, PS, 1, 2 * D + 1, torch.float32, planes=1)
+    with pytest.raises(PageLayoutError, match="odd width"):
+        storage_layout(config(is_mla_model=True), odd, s)

@@ -59,6 +59,9 @@ class Spec:
     head_dim: int = 64
     dtype: str = "bfloat16"
     page_size: int = 16
+    mla: bool = False  # an MLA model: MLATokenToKVPool(Host), one latent per token
+    kv_lora_rank: int = 64  # MLA's latent: kv_lora_rank + qk_rope_head_dim wide
+    qk_rope_head_dim: int = 32
     pages: int = 8  # the conversation's length in pages
     seed: int = 0  # the tokens, and the pool's bytes unless data_seed is set
     data_seed: int = -1  # the source pool's bytes (-1: seed); another seed for the
@@ -103,29 +106,38 @@ class Rank:
     def __init__(self, spec: Spec, layout: str) -> None:
         from sglang.srt.managers.cache_controller import HiCacheController
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
         dtype = getattr(torch, spec.dtype)
         ps = spec.page_size
         size = (spec.pages + 1) * ps
-        self.device = MHATokenToKVPool(
-            size, ps, dtype, spec.heads, spec.head_dim, spec.layers, "cpu", False,
-            start_layer=0, end_layer=spec.layers,
-        )  # fmt: skip
+        self.device: Any
+        self.host: Any
+        if spec.mla:
+            self.device = MLATokenToKVPool(
+                size, ps, dtype, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.layers, "cpu",
+                False, start_layer=0, end_layer=spec.layers,
+            )  # fmt: skip
+            self.host = MLATokenToKVPoolHost(
+                self.device.get_device_pool_infos()[0].buffer_info, 2.0, 0, ps, layout,
+                pin_memory=False, device_capacity_tokens=self.device.size,
+                start_layer=self.device.start_layer, end_layer=self.device.end_layer,
+                target_layer_num=spec.layers,
+            )  # fmt: skip
+        else:
+            self.device = MHATokenToKVPool(
+                size, ps, dtype, spec.heads, spec.head_dim, spec.layers, "cpu", False,
+                start_layer=0, end_layer=spec.layers,
+            )  # fmt: skip
+            self.host = MHATokenToKVPoolHost(
+                self.device.get_device_pool_infos()[0].buffer_info, 2.0, 0, ps, layout,
+                pin_memory=False, device_capacity_tokens=self.device.size,
+                start_layer=self.device.start_layer, end_layer=self.device.end_layer,
+                write_back_staging=self.device.hicache_write_back_staging,
+            )  # fmt: skip
         allocator = PagedTokenToKVPoolAllocator(size, ps, dtype, "cpu", self.device, False)
-        self.host = MHATokenToKVPoolHost(
-            self.device.get_device_pool_infos()[0].buffer_info,
-            2.0,
-            0,
-            ps,
-            layout,
-            pin_memory=False,
-            device_capacity_tokens=self.device.size,
-            start_layer=self.device.start_layer,
-            end_layer=self.device.end_layer,
-            write_back_staging=self.device.hicache_write_back_staging,
-        )
         if spec.backend == "tierstore":
             backend = "dynamic"
             extra: dict[str, Any] = {
@@ -219,10 +231,19 @@ class Rank:
 
 
 def token_kv(host: Any, slot: int) -> torch.Tensor:
-    """K and V of every layer at host token ``slot``: (2, layers, heads, dim).
-    Written from SGLang's definition of each layout (``init_kv_buffer``),
-    one token at a time, independently of tierstore's ``pages`` module."""
+    """K and V of every layer at host token ``slot``: (2, layers, heads, dim)
+    (MLA: the latent of every layer, (layers, 1, latent)). Written from
+    SGLang's definition of each layout (``init_kv_buffer``), one token at a
+    time, independently of tierstore's ``pages`` module."""
     kv, ps = host.kv_buffer, host.page_size
+    if hasattr(host, "kv_cache_dim"):  # MLA: the same dims without the K|V one
+        if host.layout == "layer_first":  # (layers, tokens, 1, latent)
+            return kv[:, slot]
+        if host.layout == "page_first":  # (tokens, layers, 1, latent)
+            return kv[slot]
+        if host.layout == "page_first_direct":  # (pages, layers, page, 1, latent)
+            return kv[slot // ps, :, slot % ps]
+        raise ValueError(f"no oracle for layout {host.layout!r}")
     if host.layout == "layer_first":  # (2, layers, tokens, heads, dim)
         return kv[:, :, slot]
     if host.layout == "page_first":  # (2, tokens, layers, heads, dim)

@@ -72,8 +72,13 @@ def storage_layout(config: Any, shape: PageShape, settings: StorageSettings) -> 
         refusals.append(f"decode context parallelism (dcp_size {config.dcp_size})")
     if config.should_split_heads:
         refusals.append("heads split across a tp_lcm_size")
-    if config.is_mla_model:
-        refusals.append("an MLA model (its host pool has no separate K and V)")
+    if config.is_mla_model != (shape.planes == 1):
+        refusals.append(
+            "an MLA config over an MHA host pool, or the reverse"
+            f" (is_mla_model {config.is_mla_model}, {shape.planes} planes a page)"
+        )
+    if shape.planes == 1 and shape.head_dim % 2:
+        refusals.append(f"an MLA latent of odd width {shape.head_dim}")
     if refusals:
         raise PageLayoutError("tierstore does not store the pages of " + "; ".join(refusals))
     model = settings.model_name or config.model_name or ""
@@ -84,17 +89,38 @@ def storage_layout(config: Any, shape: PageShape, settings: StorageSettings) -> 
         )
     if config.pp_size > 1:
         model = f"{model}#pp{config.pp_rank}/{config.pp_size}"
-    return KVLayout(
-        model=f"sglang:{model}",
-        num_layers=shape.layers,
-        num_kv_heads=shape.heads,
-        head_dim=shape.head_dim,
-        dtype=str(shape.dtype).removeprefix("torch."),
-        block_tokens=shape.page_size,
-        tp_rank=config.tp_rank,
-        tp_size=config.tp_size,
-        tenant_salt=settings.tenant_salt,
-    )
+    dtype = str(shape.dtype).removeprefix("torch.")
+    if shape.planes == 1:
+        # MLA: one latent per token and layer, the same on every rank (SGLang
+        # backs it up from one rank per group). A KVLayout block is K and V:
+        # here the two halves of the latent, 1 "head" of half its width, so
+        # that block_bytes is the page's size.
+        layout = KVLayout(
+            model=f"sglang:{model}#mla",
+            num_layers=shape.layers,
+            num_kv_heads=1,
+            head_dim=shape.head_dim // 2,
+            dtype=dtype,
+            block_tokens=shape.page_size,
+            tenant_salt=settings.tenant_salt,
+        )
+    else:
+        layout = KVLayout(
+            model=f"sglang:{model}",
+            num_layers=shape.layers,
+            num_kv_heads=shape.heads,
+            head_dim=shape.head_dim,
+            dtype=dtype,
+            block_tokens=shape.page_size,
+            tp_rank=config.tp_rank,
+            tp_size=config.tp_size,
+            tenant_salt=settings.tenant_salt,
+        )
+    if layout.block_bytes != shape.block_bytes:  # the arena slot must hold the page exactly
+        raise PageLayoutError(
+            f"{layout} holds {layout.block_bytes} bytes, a page {shape.block_bytes}"
+        )
+    return layout
 
 
 def block_keys(layout: KVLayout, keys: Sequence[str]) -> list[BlockKey]:
@@ -104,12 +130,24 @@ def block_keys(layout: KVLayout, keys: Sequence[str]) -> list[BlockKey]:
 
 
 def host_pages(host_pool: Any) -> HostPages:
-    """``HostPages`` over an SGLang MHA host pool (``MHATokenToKVPoolHost``)."""
+    """``HostPages`` over an SGLang MHA or MLA host pool
+    (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``)."""
     kv = getattr(host_pool, "kv_buffer", None)
     if not isinstance(kv, torch.Tensor):
         raise PageLayoutError(
-            f"{type(host_pool).__name__} has no kv_buffer tensor: only MHA host pools are served"
+            f"{type(host_pool).__name__} has no kv_buffer tensor: only MHA and MLA host "
+            "pools are served"
         )
+    if hasattr(host_pool, "kv_cache_dim"):  # MLA: (.., layers, tokens, 1, latent)
+        shape = PageShape(
+            layers=host_pool.layer_num,
+            page_size=host_pool.page_size,
+            heads=1,
+            head_dim=host_pool.kv_cache_dim,
+            dtype=host_pool.dtype,
+            planes=1,
+        )
+        return HostPages(kv, host_pool.layout, shape)
     v_dim = getattr(host_pool, "v_head_dim", host_pool.head_dim)
     if v_dim != host_pool.head_dim:
         raise PageLayoutError(

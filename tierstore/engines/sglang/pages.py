@@ -7,8 +7,12 @@ Provides ``HostPages`` over the KV buffer of SGLang's MHA host pool
 - ``page_first``:        kv_buffer (2, tokens, layers, heads, head_dim)
 - ``page_first_direct``: kv_buffer (2, pages, layers, page_size, heads, head_dim)
 
+and of its MLA host pool (``MLATokenToKVPoolHost``), whose buffers have no
+K|V plane (one latent of ``kv_cache_dim`` per token and layer, 1 "head"):
+``planes=1``, the same shapes without the leading 2.
+
 A tierstore block holds one page in a single order, whatever the host
-layout: (K|V, layer, token, head, head_dim), which is also SGLang's flat
+layout: (plane, layer, token, head, head_dim), which is also SGLang's flat
 page (``get_dummy_flat_data_page``) of ``layer_first``. So a host that runs
 ``page_first`` reads what a ``layer_first`` host backed up, and the layout
 is not part of the namespace. ``block_view`` gives the host page in that
@@ -54,14 +58,15 @@ class PageShape:
     heads: int
     head_dim: int
     dtype: torch.dtype
+    planes: int = 2  # K and V; 1 for MLA's latent
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        return (2, self.layers, self.page_size, self.heads, self.head_dim)
+        return (self.planes, self.layers, self.page_size, self.heads, self.head_dim)
 
     @property
     def block_bytes(self) -> int:
-        n = 2 * self.layers * self.page_size * self.heads * self.head_dim
+        n = self.planes * self.layers * self.page_size * self.heads * self.head_dim
         return n * self.dtype.itemsize
 
 
@@ -78,11 +83,16 @@ class HostPages:
         if kv_buffer.dtype != shape.dtype:
             raise PageLayoutError(f"the host pool holds {kv_buffer.dtype}, not {shape.dtype}")
         s = shape
+        if s.planes not in (1, 2):
+            raise PageLayoutError(f"a page has 1 (MLA) or 2 (K, V) planes, not {s.planes}")
+        if s.planes == 1:  # MLA's buffers have no plane dim: give them one
+            kv_buffer = kv_buffer.unsqueeze(0)
         want = {
-            "layer_first": (2, s.layers, None, s.heads, s.head_dim),
-            "page_first": (2, None, s.layers, s.heads, s.head_dim),
-            "page_first_direct": (2, None, s.layers, s.page_size, s.heads, s.head_dim),
+            "layer_first": (1, s.layers, None, s.heads, s.head_dim),
+            "page_first": (1, None, s.layers, s.heads, s.head_dim),
+            "page_first_direct": (1, None, s.layers, s.page_size, s.heads, s.head_dim),
         }[layout]
+        want = (s.planes, *want[1:])
         got = tuple(kv_buffer.shape)
         if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
             raise PageLayoutError(
@@ -135,7 +145,7 @@ class HostPages:
             )
 
     def block_view(self, index: int) -> torch.Tensor:
-        """The page that starts at host token slot ``index``, shaped (2,
+        """The page that starts at host token slot ``index``, shaped (planes,
         layers, page_size, heads, head_dim): a view of the host pool."""
         self._check(index)
         ps = self.shape.page_size
@@ -154,8 +164,8 @@ class HostPages:
                 f"{flat.numel() * flat.element_size()} ({tuple(flat.shape)}, {flat.dtype})"
             )
         flat = flat.view(s.dtype)
-        if self.layout == "page_first":  # token-major: (2, page, layers, heads, dim)
-            return flat.view(2, s.page_size, s.layers, s.heads, s.head_dim).transpose(1, 2)
+        if self.layout == "page_first":  # token-major: (planes, page, layers, heads, dim)
+            return flat.view(s.planes, s.page_size, s.layers, s.heads, s.head_dim).transpose(1, 2)
         return flat.view(s.block_shape)
 
     def as_block(self, row: torch.Tensor) -> torch.Tensor:
