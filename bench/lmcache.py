@@ -2,7 +2,7 @@
 
 Provides:
 - ``lmcache_venv()`` / ``lmcache_python()``: the separate virtualenv that
-  ``bench/lmcache_env.sh`` makes (``TIERSTORE_LMCACHE_VENV``, default
+  ``bench/lmcache_env.sh`` makes (``LMCACHE_VENV``, default
   ``~/.cache/tierstore-bench/lmcache-venv``) and its python; a clear error
   naming the script when it is missing.
 - ``lmcache_server(tmp, l1_size_gb=...)``: a context manager that starts
@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 from tierstore.cli.ports import free_port  # noqa: E402
 
-VENV_ENV = "TIERSTORE_LMCACHE_VENV"
+VENV_ENV = "LMCACHE_VENV"
 DEFAULT_VENV = Path.home() / ".cache" / "tierstore-bench" / "lmcache-venv"
 ENV_SCRIPT = "bench/lmcache_env.sh"
 ENGINE_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}

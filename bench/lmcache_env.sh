@@ -3,7 +3,8 @@
 # server and the vLLM engine that talks to it (bench/lmcache.py).
 #
 #   bash bench/lmcache_env.sh [DIR]
-#   DIR: ${TIERSTORE_LMCACHE_VENV:-$HOME/.cache/tierstore-bench/lmcache-venv}
+#   DIR: ${LMCACHE_VENV:-$HOME/.cache/tierstore-bench/lmcache-venv} (not TIERSTORE_*:
+#   the sidecars the benches start read every TIERSTORE_ variable as a setting)
 #
 # Why a separate environment: lmcache 0.5.6 pulls protobuf 6.x and grpcio
 # 1.78, below what tierstore needs (protobuf >= 7.35.1, grpcio >= 1.85.1), and
@@ -25,7 +26,7 @@
 # the stamp present and those versions still there, it does nothing.
 set -euo pipefail
 
-DIR=${1:-${TIERSTORE_LMCACHE_VENV:-$HOME/.cache/tierstore-bench/lmcache-venv}}
+DIR=${1:-${LMCACHE_VENV:-$HOME/.cache/tierstore-bench/lmcache-venv}}
 PY=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
 VLLM_VERSION=0.32.0
