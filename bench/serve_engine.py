@@ -13,6 +13,8 @@ Provides:
 - ``Mode``: a mode's setups, one per server, and how turns are placed.
 - ``warm_up``, ``prompt_sources`` (``/metrics``), ``source_figures`` and
   ``tier_hits`` (a sidecar's per-tier hits).
+- ``EventCounter``: a subscriber of a server's KV events (ZMQ, on a
+  thread), counting them by kind and medium.
 
 Runs in the benchmark's process; the servers are its children.
 """
@@ -90,6 +92,7 @@ class ModeSetup:
     extra_body: dict[str, Any] = field(default_factory=dict)
     stat: Callable[[], dict[str, int]] | None = None  # per-tier store hits, in blocks
     kv_cache_blocks: int | None = None  # vLLM's own cache, when not the sizing's
+    server_args: tuple[str, ...] = ()  # more api_server flags (--kv-events-config)
 
 
 def _get(url: str, timeout_s: float = 5.0) -> tuple[int, str]:
@@ -123,6 +126,7 @@ def api_server(
     ]  # fmt: skip
     if setup.kv_transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(setup.kv_transfer)]
+    cmd += list(setup.server_args)
     env = dict(os.environ, **setup.env)
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB; it would override the bytes above
@@ -229,6 +233,7 @@ class Mode:
     setups: list[ModeSetup]
     place: Place | None = None
     describe: Callable[[], dict[str, Any]] | None = None  # placement figures after the load
+    events: Callable[[], dict[str, int]] | None = None  # KV events received, by kind and medium
     before_load: Callable[[list[str], Path], None] | None = None  # (urls, model), once up
 
 
@@ -241,3 +246,56 @@ def tier_hits(sock: Path) -> Callable[[], dict[str, int]]:
             return {t.name: int(t.hits) for t in c.stat().tiers}
 
     return stat
+
+
+class EventCounter:
+    """vLLM's KV event batches, counted by kind and medium on a thread. It
+    binds a loopback port and vLLM's publisher connects to it (vLLM binds
+    only wildcard endpoints, ``tcp://*:P``). Polls with a timeout; stopped
+    by ``close``. Decoded as plain msgpack (a batch is ``[ts, events,
+    dp_rank]``, an event a map tagged by ``type``): the bench's own
+    ``bench/vllm.py`` shadows the ``vllm`` package on this process's path."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import msgspec
+        import zmq
+
+        self.port = free_port()
+        self.counts: dict[str, int] = {}
+        self.error = ""
+        self._decode = msgspec.msgpack.decode
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.bind(f"tcp://127.0.0.1:{self.port}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-kv-events", daemon=True)
+        self._thread.start()
+
+    def server_args(self) -> tuple[str, ...]:
+        config = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://127.0.0.1:{self.port}"}  # fmt: skip
+        return ("--kv-events-config", json.dumps(config))
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if self._sock.poll(200):
+                    _topic, _seq, payload = self._sock.recv_multipart()
+                    for e in self._decode(payload)[1]:
+                        key = f"{e.get('type')}_{e.get('medium') or 'any'}"
+                        self.counts[key] = self.counts.get(key, 0) + 1
+        except Exception as e:  # reported with the counts
+            self.error = f"{type(e).__name__}: {e}"
+
+    def snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(sorted(self.counts.items()))
+        if self.error:
+            out["error"] = self.error
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)

@@ -32,7 +32,11 @@ seed and schedule in every mode. Modes, in this order, each on a fresh server:
   pays the saving;
 - ``lmcache``: LMCache 0.5.6's MP server (``bench/lmcache.py``; its
   virtualenv from ``bench/lmcache_env.sh``), the engine run from that
-  virtualenv's python, L1 sized to hold the workload.
+  virtualenv's python, L1 sized to hold the workload;
+- ``tierstore_events`` (only when named in ``--modes``): ``tierstore`` with
+  vLLM's KV events on (ZMQ, a subscriber in the bench counting them by kind
+  and medium: ``kv_events``) and the connector's removal watcher, for the
+  cost of events (name it between two ``tierstore`` runs: A B A).
 
 With ``--two-engines``, ``two_none``, ``two_tierstore`` and ``two_router``
 instead: two servers, sessions moving between them (``serve_two.py``: the
@@ -98,6 +102,7 @@ from lmcache import lmcache_python, lmcache_server, lmcache_transfer_config  # n
 from serve_engine import (  # noqa: E402
     BLOCK_BYTES,
     LOG_TAIL_CHARS,
+    EventCounter,
     Mode,
     ModeSetup,
     Sizing,
@@ -111,6 +116,7 @@ from serve_engine import (  # noqa: E402
 )
 from serve_load import Workload, output_mismatches, raw_samples, run_load, summarize  # noqa: E402
 
+from tierstore.cli.ports import free_port  # noqa: E402
 from tierstore.engines.vllm.driver import (  # noqa: E402
     WIDE_KV,
     example_transfer_config,
@@ -119,6 +125,7 @@ from tierstore.engines.vllm.driver import (  # noqa: E402
 )
 
 ALL_MODES = ("none", "fullcache", "tierstore", "example", "lmcache")
+EVENT_MODES = ("tierstore_events",)  # --modes tierstore,tierstore_events,tierstore,...
 TWO_MODES = ("two_none", "two_tierstore", "two_router")  # --two-engines
 
 
@@ -141,6 +148,27 @@ def mode_setup(mode: str, tmp: Path, size: Sizing, args: argparse.Namespace) -> 
             setup = ModeSetup(kv_transfer=kv_transfer_config(sock), stat=tier_hits(sock),
                               extra_body={"kv_transfer_params": {}})  # fmt: skip
             yield Mode([setup])
+    elif mode == "tierstore_events":
+        # tierstore with vLLM's KV events on (the connector's BlockStored) and
+        # its removal watcher (BlockRemoved, over the sidecar's peer port)
+        unit = BLOCK_BYTES * max(1, (16 << 20) // BLOCK_BYTES)
+        peer_port, token = free_port(), "bench-events"
+        (tmp / "token").write_text(token)
+        settings = (f"dram_segment_bytes={unit}", f"nvme_bytes={max(1 << 30, size.store_bytes)}",
+                    f"peer_port={peer_port}", f"peer_token={token}")  # fmt: skip
+        events = EventCounter()
+        try:
+            with sidecar(tmp, size.store_bytes, *settings) as sock:
+                transfer = kv_transfer_config(
+                    sock, removed_events_peer=f"127.0.0.1:{peer_port}",
+                    removed_events_token_file=str(tmp / "token"),
+                )  # fmt: skip
+                setup = ModeSetup(kv_transfer=transfer, stat=tier_hits(sock),
+                                  extra_body={"kv_transfer_params": {}},
+                                  server_args=events.server_args())  # fmt: skip
+                yield Mode([setup], events=events.snapshot)
+        finally:
+            events.close()
     elif mode == "example":
         yield Mode([ModeSetup(kv_transfer=example_transfer_config(tmp / "example-kv"))])
     elif mode == "lmcache":
@@ -149,7 +177,8 @@ def mode_setup(mode: str, tmp: Path, size: Sizing, args: argparse.Namespace) -> 
         with lmcache_server(tmp, l1_size_gb=l1_gb) as server:
             yield Mode([ModeSetup(python, lmcache_transfer_config(server), dict(server.env))])
     else:
-        raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(ALL_MODES + TWO_MODES)}")
+        known = ", ".join(ALL_MODES + EVENT_MODES + TWO_MODES)
+        raise ValueError(f"unknown mode {mode!r}; modes: {known}")
 
 
 def _sum(dicts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -161,17 +190,20 @@ def _sum(dicts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_mode(
-    mode: str, model: Path, tmp: Path, w: Workload, size: Sizing, args: argparse.Namespace
-) -> dict[str, Any]:
+    mode: str, model: Path, tmp: Path, w: Workload, size: Sizing, args: argparse.Namespace,
+    key: str = "",
+) -> dict[str, Any]:  # fmt: skip
     """One mode on fresh servers: the summary, with ``samples`` and the
-    ``outputs`` per (user, turn) for the comparison."""
-    (tmp / mode).mkdir(parents=True, exist_ok=True)
+    ``outputs`` per (user, turn) for the comparison. ``key``: the run's name
+    (its directory), the mode's by default."""
+    run_dir = tmp / (key or mode)
+    run_dir.mkdir(parents=True, exist_ok=True)
     timeout_s = args.request_timeout_s
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        m = stack.enter_context(mode_setup(mode, tmp / mode, size, args))
+        m = stack.enter_context(mode_setup(mode, run_dir, size, args))
         urls = [
-            stack.enter_context(api_server(model, s, size, tmp / mode / f"server{i}.log", w.users))
+            stack.enter_context(api_server(model, s, size, run_dir / f"server{i}.log", w.users))
             for i, s in enumerate(m.setups)
         ]
         start_s = time.perf_counter() - started
@@ -189,10 +221,11 @@ def run_mode(
         try:
             after = _sum([prompt_sources(u) for u in urls])
         except OSError as e:  # a server died during the load: keep what the clients saw
-            logs = sorted((tmp / mode).glob("server*.log"))
+            logs = sorted(run_dir.glob("server*.log"))
             lost = f"{type(e).__name__}: {e}\n" + "\n".join(log_excerpt(g) for g in logs)
         hits_after = _sum([stat() for stat in stats])
         placement = m.describe() if m.describe else None
+        events = m.events() if m.events else None
     out = summarize(samples, wall_s, skipped)
     out["servers"] = len(urls)
     out["servers_start_s"] = round(start_s, 1)
@@ -203,6 +236,8 @@ def run_mode(
         out |= source_figures(before, after, hits_before, hits_after)
     if placement is not None:
         out["placement"] = placement
+    if events is not None:
+        out["kv_events"] = events
     out["outputs"] = {(s.user, s.turn): s.output_ids for s in samples if s.error is None}
     out["samples"] = raw_samples(samples)
     return out
@@ -337,9 +372,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-vllm-serve-") as tmp_s:
         tmp = Path(tmp_s)
         model = tiny_llama(tmp / "model", **WIDE_KV)
-        for mode in modes:
+        for i, base in enumerate(modes):
+            # a mode named again (A B A: interleaved runs) is reported as "mode#2", ...
+            n = modes[: i + 1].count(base)
+            mode = base if n == 1 else f"{base}#{n}"
             try:
-                r = run_mode(mode, model, tmp, w, size, args)
+                r = run_mode(base, model, tmp, w, size, args, key=mode)
             except Exception as e:  # reported, and the other modes still run
                 why = f"{type(e).__name__}: {e}"[: 2 * LOG_TAIL_CHARS]
                 for log in sorted((tmp / mode).glob("server*.log")):
