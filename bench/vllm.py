@@ -40,6 +40,9 @@ Each warm mode also asks every prompt a second time in the same engine
 (``*_own_cache_ttft_s``: vLLM's own prefix cache serves it, nothing is
 loaded), so ``warm_load_s``, the warm TTFT minus that one, is what loading
 the prefix added to the request. ``kv_bytes`` is the stored prefix;
+``warm_load_pairs_s`` are the same difference prompt by prompt (each warm
+ask and its second ask run back to back) and ``warm_load_paired_s`` their
+median, less moved by a busy host than the difference of two medians;
 ``warm_kv_gbps`` is ``kv_bytes`` over ``warm_load_s`` and
 ``warm_kv_ttft_gbps`` over the whole warm TTFT (a lower bound: that TTFT
 also computes the last partial block and one token), next to
@@ -147,6 +150,7 @@ class ModeResult:
     cached: dict[int, list[int]] = field(default_factory=dict)
     start_s: float = 0.0
     own_cache_ttft: dict[int, float] = field(default_factory=dict)
+    load_pairs: dict[int, list[float]] = field(default_factory=dict)  # per prompt: TTFT - again
 
 
 def engine_kwargs(work: dict[int, list[list[int]]], spec: ModelSpec) -> dict[str, Any]:
@@ -187,6 +191,7 @@ def run_mode(
             mode.ttft[n] = statistics.median(times)
             if again:
                 mode.own_cache_ttft[n] = statistics.median(second)
+                mode.load_pairs[n] = [t - a for t, a in zip(times, second)]
     return mode
 
 
@@ -405,6 +410,9 @@ def main() -> None:
         row["warm_kv_ttft_gbps"] = round(row["kv_bytes"] / row["warm_ttft_s"] / GB, 3)
         load_s = row["warm_ttft_s"] - row["warm_own_cache_ttft_s"]
         row["warm_load_s"] = round(load_s, 4)
+        pairs_s = modes["warm"].load_pairs[n]
+        row["warm_load_pairs_s"] = [round(x, 4) for x in pairs_s]
+        row["warm_load_paired_s"] = round(statistics.median(pairs_s), 4)
         row["warm_kv_gbps"] = round(row["kv_bytes"] / load_s / GB, 3) if load_s > 0 else None
         row["memcpy_gbps"] = round(memcpy_gbps(row["kv_bytes"]), 3)  # the same bytes
         if row["warm_kv_gbps"] is not None:
