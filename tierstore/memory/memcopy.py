@@ -25,11 +25,13 @@ import numpy as np
 try:  # optional so that installs without a compiler work
     from tierstore.memory._fastcopy import STREAMING as _C_STREAMING
     from tierstore.memory._fastcopy import copy as _c_copy
-    from tierstore.memory._fastcopy import copy_runs as _c_copy_runs
 except ImportError:  # pragma: no cover - exercised by the fallback test
     _c_copy = None
-    _c_copy_runs = None
     _C_STREAMING = 0
+try:  # apart: an extension built before copy_runs still serves copy_into
+    from tierstore.memory._fastcopy import copy_runs as _c_copy_runs
+except ImportError:  # pragma: no cover - exercised by the fallback test
+    _c_copy_runs = None
 
 STREAMING = bool(_c_copy is not None and _C_STREAMING)
 """True when large copies use non-temporal stores."""
