@@ -214,6 +214,14 @@ class StoreClient:
     ) -> local_pb2.KeysRequest:
         return self._control.request(layout, keys, include_peers, deadline_s)
 
+    def wait_arena_tables(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until this process's page tables of
+        the whole arena are built (the background thread started at attach;
+        copies into a unit not yet built fault its pages in). Returns
+        whether they are. For benchmarks that time copies, not for hot paths."""
+        self._populator.join(timeout_s)
+        return not self._populator.is_alive()
+
     def register(self, layout: KVLayout) -> bytes:
         """Tell the sidecar about a layout (once per layout per client)."""
         return self._control.register(layout)

@@ -84,6 +84,11 @@ class StoreLink:
             self._down_logged = False
         return self._client
 
+    @property
+    def current(self) -> StoreClient | None:
+        """The connected client, if any, without trying to connect."""
+        return self._client
+
     def failed(self, err: BaseException) -> None:
         """A call failed: drop the client; run cold until the next retry."""
         self.counters.call_failures += 1

@@ -244,6 +244,8 @@ class TierstoreStorage(HiCacheStorage):
                 hi = min(len(keys), lo + client.max_batch_keys)
                 reserved = client.reserve(layout, bkeys[lo:hi])
                 fill = [lo + i for i, st in enumerate(reserved.statuses) if st == ReserveStatus.OK]
+                for i in fill:  # this process's page tables of a fresh unit, once
+                    client.arena.ensure_ready(reserved.offsets[i - lo], layout.block_bytes)
                 for i, status in enumerate(reserved.statuses):
                     if status == ReserveStatus.EXISTS:
                         done[lo + i] = True
@@ -330,6 +332,16 @@ class TierstoreStorage(HiCacheStorage):
             "tierstore HiCache storage: clear() deletes nothing: the store is shared "
             "with other engines and hosts, and its blocks age out by eviction"
         )
+
+    def wait_arena_tables(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s`` in all, until every sidecar client of
+        this backend has built its page tables of the arena (see
+        ``StoreClient.wait_arena_tables``; for benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            links = list(self._links)
+        clients = [link.current for link in links if link.current is not None]
+        return all(c.wait_arena_tables(max(0.0, deadline - time.monotonic())) for c in clients)
 
     def close(self) -> None:
         self._closed = True
