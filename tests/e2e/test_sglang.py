@@ -26,7 +26,7 @@ import pytest
 from tierstore.client import StoreClient
 from tierstore.keys import KVLayout, chain_keys
 
-from ..integration.sidecar import REPO, SidecarProcess, free_port
+from ..integration.sidecar import REPO, SidecarProcess, free_port, overwrite_nvme_blocks
 
 pytestmark = pytest.mark.sglang
 
@@ -239,14 +239,7 @@ def test_a_corrupt_block_is_a_miss_and_the_controller_goes_on(
             for lo in range(0, n, 16):
                 assert all(c.store(filler, keys[lo : lo + 16], bytearray(16 * filler.block_bytes)))
         before = _verify_failures(sc.socket)
-        data = sc.nvme_dir / "blocks.dat"
-        with open(data, "r+b") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(0)
-            for _ in range(0, size, 1 << 20):
-                f.write(os.urandom(1 << 20))
-            f.flush()
-            os.fsync(f.fileno())
+        overwrite_nvme_blocks(sc.nvme_dir)
         r = drive(sglang_python, sc.socket, seed=500, backup=False)
         assert r["hit_tokens"] == PAGES * PAGE  # the index still lists them
         assert r["prefetched_tokens"] == 0

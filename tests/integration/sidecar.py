@@ -69,3 +69,15 @@ class SidecarProcess:
                 self.proc.wait(10)
         self.log.close()
         return self.proc.returncode
+
+
+def overwrite_nvme_blocks(nvme_dir: Path) -> None:
+    """Replace every byte of a sidecar's NVMe block file with random bytes,
+    its index untouched (a corrupted disk: reads must fail verification)."""
+    with open(Path(nvme_dir) / "blocks.dat", "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(0)
+        for _ in range(0, size, 1 << 20):
+            f.write(os.urandom(1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
