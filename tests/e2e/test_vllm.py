@@ -57,7 +57,7 @@ from tierstore.engines.vllm.driver import (
 )
 from tierstore.keys import KVLayout, chain_keys
 
-from ..integration.sidecar import REPO, SidecarProcess, free_port
+from ..integration.sidecar import REPO, SidecarProcess, free_port, overwrite_nvme_blocks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -189,7 +189,10 @@ def _engine(
     if probe:
         assert transfer is not None
         transfer.update(PROBE)
-    return VllmEngine(model, transfer, log_path=tmp / f"{name}.log", env=env, llm_kwargs=llm_kwargs)
+    return VllmEngine(
+        model, transfer, log_path=tmp / f"{name}.log", env=env, llm_kwargs=llm_kwargs,
+        in_process=True,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -314,14 +317,7 @@ def test_blocks_overwritten_on_disk_are_a_verified_miss_and_recomputed(
         for lo in range(0, n, 16):
             assert all(c.store(filler, keys[lo : lo + 16], bytearray(16 * BLOCK_BYTES)))
         failures_before = _tier(c, "nvme").verify_failures
-        data = Path(a.nvme_dir) / "blocks.dat"
-        with open(data, "r+b") as f:  # every block's bytes replaced, index untouched
-            size = f.seek(0, os.SEEK_END)
-            f.seek(0)
-            for _ in range(0, size, 1 << 20):
-                f.write(os.urandom(1 << 20))
-            f.flush()
-            os.fsync(f.fileno())
+        overwrite_nvme_blocks(a.nvme_dir)  # every block's bytes replaced, index untouched
         (out,), _ = _generate(e2.engine, [P_D])
         # The lookup found the blocks (vLLM counts them as cached: its count
         # is taken when the load is planned); the load failed verification,

@@ -21,7 +21,6 @@ The scheduler's counters come from the connector's ``stats_path``.
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import Output, VllmEngine, kv_transfer_config, tiny_llama
 from tierstore.keys import KVLayout, chain_keys
 
-from ..integration.sidecar import SidecarProcess
+from ..integration.sidecar import SidecarProcess, overwrite_nvme_blocks
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -117,7 +116,7 @@ def cold(model: Path, logs: Path, sidecar: SidecarProcess) -> dict[str, Output]:
     filler pushes their blocks from DRAM to NVMe."""
     _wait_for_memory()
     transfer = kv_transfer_config(sidecar.socket)
-    with VllmEngine(model, transfer, log_path=logs / "w.log") as w:
+    with VllmEngine(model, transfer, log_path=logs / "w.log", in_process=True) as w:
         refs = {k: w.generate([p], NEW_TOKENS, session=k)[0][0] for k, p in PROMPTS.items()}
     assert all(o.num_cached_tokens == 0 for o in refs.values())  # nothing was stored before
     short = {k: o.token_ids for k, o in refs.items() if len(o.token_ids) != NEW_TOKENS}
@@ -149,7 +148,7 @@ def loader(
     _wait_for_memory()
     stats = logs / "l-stats.json"
     transfer = kv_transfer_config(sidecar.socket, stats_path=str(stats), async_load_timeout_s=60.0)
-    with VllmEngine(model, transfer, log_path=logs / "l.log") as eng:
+    with VllmEngine(model, transfer, log_path=logs / "l.log", in_process=True) as eng:
         yield Loader(eng, stats)
 
 
@@ -200,7 +199,7 @@ def test_a_load_past_its_deadline_is_recomputed(
     _wait_for_memory()
     stats = logs / "late-stats.json"
     late = kv_transfer_config(sidecar.socket, stats_path=str(stats), async_load_timeout_s=1e-6)
-    with VllmEngine(model, late, log_path=logs / "late.log") as eng:
+    with VllmEngine(model, late, log_path=logs / "late.log", in_process=True) as eng:
         (out,), _ = eng.generate([P_D], NEW_TOKENS)
         plan = json.loads(stats.read_text())["plan"]
     assert plan["background_loads"] == plan["background_loads_done"] == 1
@@ -215,14 +214,7 @@ def test_a_corrupt_block_on_nvme_is_a_load_error_and_recomputed(
 ) -> None:
     with StoreClient(str(sidecar.socket)) as c:
         failures_before = _tier(c, "nvme").verify_failures
-    data = Path(sidecar.nvme_dir) / "blocks.dat"
-    with open(data, "r+b") as f:  # every block's bytes replaced, the index untouched
-        size = f.seek(0, os.SEEK_END)
-        f.seek(0)
-        for _ in range(0, size, 1 << 20):
-            f.write(os.urandom(1 << 20))
-        f.flush()
-        os.fsync(f.fileno())
+    overwrite_nvme_blocks(sidecar.nvme_dir)  # every block's bytes replaced, the index untouched
     before = loader.plan()
     (out,), _ = loader.engine.generate([P_C], NEW_TOKENS)
     after = loader.plan()

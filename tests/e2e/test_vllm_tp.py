@@ -56,7 +56,7 @@ def test_each_rank_stores_and_loads_its_own_layout(
         (warm,), _ = e.generate([PROMPT], NEW_TOKENS, ignore_eos=True)
     assert warm.num_cached_tokens == 640
     assert warm.token_ids == cold.token_ids
-    with VllmEngine(model, transfer, log_path=tmp_path / "tp1.log") as e:
+    with VllmEngine(model, transfer, log_path=tmp_path / "tp1.log", in_process=True) as e:
         (tp1,), _ = e.generate([PROMPT], NEW_TOKENS, ignore_eos=True)
     assert tp1.num_cached_tokens == 0  # TP=2 ranks' blocks are not a TP=1 engine's
     assert _dram_blocks(vllm_sidecar) == 2 * 5 + 5  # TP=1 saved its own
