@@ -80,7 +80,7 @@ def save(client: StoreClient, seed: int, blocks: int) -> tuple[SaveSpec, list[by
     data = torch.zeros((len(keys), L.block_bytes), dtype=torch.uint8)
     assert all(client.store(L, keys, data))
     spec = SaveSpec(
-        req_id=f"r{seed}", salt="", keys=(tuple(keys),), block_ids=tuple(range(blocks)),
+        req_id=f"r{seed}", salt="", keys=(tuple(keys),), block_ids=(tuple(range(blocks)),),
         block_hashes=tuple((seed * 1000 + i).to_bytes(32, "big") for i in range(blocks)),
         token_ids=tuple(ids.tolist()),
     )  # fmt: skip
@@ -91,7 +91,7 @@ def worker_events(spec: SaveSpec, hashes_of: SaveSpec | None = None) -> Tierstor
     """What the worker's get_kv_connector_kv_cache_events returns for a
     committed save, merged as the scheduler gets it (``hashes_of``: the
     control, announcing spec's keys under another save's hashes)."""
-    positions = list(range(len(spec.block_ids)))
+    positions = list(range(len(spec.keys[0])))
     events = TierstoreKVEvents()
     events.add_events(stored_events([(spec, positions)], L.block_tokens))
     events.blocks = stored_blocks([(spec, positions)])

@@ -86,11 +86,11 @@ def test_a_background_load_is_sent_without_the_request_being_scheduled() -> None
     req, busy = request(p), request(other, rid="r2")
     assert plan.match(req, 0) == (4 * BT, True)
     ids = [10, 11, 12, 13, 14]
-    plan.after_alloc(req, ids, 4 * BT)
+    plan.after_alloc(req, (ids,), 4 * BT)
     plan.match(busy, 0)
     # The loading request is not in the step: only the other one runs.
     (load,), _ = plan.build(step(new=[(busy, [1, 2], 0)], scheduled={"r2": BT + 3}))
-    assert load.background and load.block_ids == (10, 11, 12, 13)
+    assert load.background and load.block_ids == ((10, 11, 12, 13),)
     assert list(load.keys[0]) == chain_keys(LAYOUTS[0], p)[:4]
     assert plan.counters.background_loads == 1 and plan.counters.step_loads == 0
     # Two more steps decode r2 while the load runs; then the worker reports it.
@@ -115,14 +115,14 @@ def test_a_failed_background_load_is_recomputed_saved_again_and_never_rematched(
     req = request(p)
     assert plan.match(req, 0) == (4 * BT, True)
     ids = [10, 11, 12, 13, 14]
-    plan.after_alloc(req, ids, 4 * BT)
+    plan.after_alloc(req, (ids,), 4 * BT)
     plan.build(step())
     plan.load_failed({12})  # before the request ever ran
     plan.loads_done({"r1"})
     assert plan.counters.load_failed_blocks == 2 and plan.counters.failed_loads == 1
     assert plan.match(req, 0) == (0, False)  # recomputed, not loaded again
     _, (s,) = plan.build(step(new=[(req, ids, 2 * BT)], scheduled={"r1": 2 * BT + 3}))
-    assert s.block_ids == (12, 13)
+    assert s.block_ids == ((12, 13),)
 
 
 # -- the loader thread -------------------------------------------------------------------
@@ -179,11 +179,11 @@ class FakeLink:
 
 def spec(rid: str, n: int) -> LoadSpec:
     keys = tuple(chain_keys(lo, toks(n * BT)) for lo in LAYOUTS)
-    return LoadSpec(rid, "", tuple(tuple(k) for k in keys), tuple(range(100, 100 + n)), True)
+    return LoadSpec(rid, "", tuple(tuple(k) for k in keys), (tuple(range(100, 100 + n)),), True)
 
 
 def loader(client: FakeClient | None, timeout_s: float = 5.0) -> tuple[BackgroundLoader, list]:
-    copies: list[tuple[int, ...]] = []
+    copies: list[tuple[tuple[int, ...], ...]] = []
     settings = ConnectorSettings(async_load_timeout_s=timeout_s)
     ld = BackgroundLoader(
         settings,
@@ -196,10 +196,13 @@ def loader(client: FakeClient | None, timeout_s: float = 5.0) -> tuple[Backgroun
 
 
 def poll_until(ld: BackgroundLoader, timeout_s: float = 10.0) -> tuple[set[str], set[int]]:
+    """The first requests to end and their failed blocks (the failed
+    requests checked: exactly those with failed blocks)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        finished, failed = ld.poll()
+        finished, failed, failed_reqs = ld.poll()
         if finished or time.monotonic() > deadline:
+            assert failed_reqs == (finished if failed else set())
             return finished, failed
         time.sleep(0.005)
 
@@ -209,7 +212,7 @@ def test_the_loader_copies_every_block_and_reports_the_request() -> None:
     ld, copies = loader(client)
     ld.submit(spec("a", 5))
     assert poll_until(ld) == ({"a"}, set())
-    assert copies == [(100, 101), (102, 103), (104,)]  # chunks of max_batch_keys
+    assert copies == [((100, 101),), ((102, 103),), ((104,),)]  # chunks of max_batch_keys
     assert all(p.released for p in client.pins)
     assert ld.in_flight == 0 and ld.counters.loaded_blocks == 5
     ld.close()
@@ -220,7 +223,7 @@ def test_poll_does_not_wait_for_a_copy_in_progress() -> None:
     vLLM's pages must not hold it (the copy holds the load's lock)."""
     copying, go_on = threading.Event(), threading.Event()
 
-    def slow_copy(c: Any, lo: Any, offsets: Any, ids: tuple[int, ...]) -> None:
+    def slow_copy(c: Any, lo: Any, offsets: Any, ids: tuple[tuple[int, ...], ...]) -> None:
         copying.set()
         go_on.wait(10)
 
@@ -234,7 +237,7 @@ def test_poll_does_not_wait_for_a_copy_in_progress() -> None:
     ld.submit(spec("a", 1))
     assert copying.wait(10)
     t0 = time.monotonic()
-    assert ld.poll() == (set(), set())
+    assert ld.poll() == (set(), set(), set())
     waited_s = time.monotonic() - t0
     go_on.set()
     assert poll_until(ld) == ({"a"}, set())
@@ -270,7 +273,7 @@ def test_a_load_past_its_deadline_is_reported_failed_and_copies_nothing_after() 
     finished, failed = poll_until(ld)
     assert 0.19 < time.monotonic() - t0 < 5.0
     while len(finished) < 2 and time.monotonic() - t0 < 5.0:  # deadlines a moment apart
-        more, more_failed = ld.poll()
+        more, more_failed, _ = ld.poll()
         finished |= more
         failed |= more_failed
     assert finished == {"slow", "queued"} and failed == {100, 101, 102}
@@ -278,7 +281,7 @@ def test_a_load_past_its_deadline_is_reported_failed_and_copies_nothing_after() 
     gate.set()  # the acquire answers at last: the cancelled load must not copy
     time.sleep(0.2)
     assert copies == [] and all(p.released for p in client.pins)
-    assert ld.poll() == (set(), set())  # reported once
+    assert ld.poll() == (set(), set(), set())  # reported once
     ld.close()
 
 

@@ -12,6 +12,7 @@ pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]')")
 import torch
 from transformers import LlamaConfig
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -19,7 +20,12 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
-from tierstore.engines.vllm.layout import ConnectorSettings, engine_layouts, engine_refusal
+from tierstore.engines.vllm.layout import (
+    ConnectorSettings,
+    engine_layouts,
+    engine_refusal,
+    kv_groups,
+)
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
@@ -77,20 +83,61 @@ def test_identity_names_model_config_page_format_and_salt() -> None:
     assert here == there
 
 
+def window(**kw: Any) -> SlidingWindowSpec:
+    args: dict[str, Any] = dict(block_size=128, num_kv_heads=2, head_size=64,
+                                dtype=torch.bfloat16, sliding_window=512)  # fmt: skip
+    args.update(kw)
+    return SlidingWindowSpec(**args)
+
+
+def hybrid_config(*groups: tuple[Any, list[int]]) -> KVCacheConfig:
+    """vLLM's hybrid KV cache manager's groups: (spec, the layers it holds)."""
+    specs = [KVCacheGroupSpec([LAYERS[i] for i in layers], spec) for spec, layers in groups]
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=specs,
+                         kv_cache_layout="LBHNC")  # fmt: skip
+
+
+def test_hybrid_groups_are_served_in_the_models_layer_order() -> None:
+    """Gemma-3's pattern under vLLM's hybrid manager: a full-attention
+    group and sliding-window groups, each with block ids of its own. A block
+    is every layer's KV in the model's order, the same block an engine
+    without the hybrid manager (one group) stores."""
+    cfg = vllm_config()
+    hybrid = hybrid_config((full(), [3]), (window(), [0, 2]), (window(), [1]))
+    assert engine_refusal(cfg, hybrid) is None
+    groups = kv_groups(hybrid)
+    assert groups.layer_names == tuple(LAYERS)
+    assert groups.group_of == (1, 2, 1, 0)
+    assert groups.num_groups == 3 and groups.windowed
+    one = kv_config(full(sliding_window=512))
+    assert kv_groups(one).group_of == (0, 0, 0, 0) and not kv_groups(one).windowed
+    (a,) = engine_layouts(cfg, hybrid, ConnectorSettings())
+    (b,) = engine_layouts(cfg, one, ConnectorSettings())
+    assert a == b and a.num_layers == 4
+    # Every layer sliding: one group of window blocks.
+    assert engine_refusal(cfg, kv_config(window())) is None
+    assert kv_groups(kv_config(window())).windowed
+
+
 def test_what_cannot_be_restored_by_prefix_is_refused() -> None:
     cfg = vllm_config()
-    window = SlidingWindowSpec(
-        block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=512
-    )
-    assert "hybrid" in str(engine_refusal(cfg, kv_config(full(), window)))
-    assert "SlidingWindowSpec" in str(engine_refusal(cfg, kv_config(window)))
+    mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+        attention_chunk_size=1024,
+    )  # fmt: skip
+    # A group that cannot is named; the engine runs without the store.
+    reason = str(engine_refusal(cfg, hybrid_config((full(), [0, 1]), (chunked, [2, 3]))))
+    assert reason.startswith("KV cache group 1 of 2: layers of kind ChunkedLocalAttentionSpec")
+    assert "group 0 of 2: MLA" in str(engine_refusal(cfg, hybrid_config((mla, [0]), (full(), [1]))))
+    mixed = hybrid_config((full(), [0, 1]), (window(head_size=128), [2, 3]))
+    assert "groups of different pages" in str(engine_refusal(cfg, mixed))
     # vLLM without its hybrid manager: sliding layers in one full-attention group
     # keep every token's KV, so they restore exactly; chunked attention does not.
     assert engine_refusal(cfg, kv_config(full(sliding_window=512))) is None
     assert "chunked" in str(engine_refusal(cfg, kv_config(full(attention_chunk_size=1024))))
     assert "pipeline" in str(engine_refusal(vllm_config(pp=2), kv_config(full())))
     assert "head sizes" in str(engine_refusal(cfg, kv_config(full(head_size_v=32))))
-    mla = MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
     assert "MLA" in str(engine_refusal(cfg, kv_config(mla)))
 
 

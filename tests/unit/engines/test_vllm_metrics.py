@@ -85,8 +85,8 @@ def test_the_planner_counts_queried_and_hit_tokens_by_tier_once_per_request() ->
     req = request(p)
     # vLLM holds the first block itself; the store the next three.
     assert plan.matched_tokens(req, BT) == 3 * BT
-    plan.after_alloc(req, blocks(list(range(6))).get_block_ids()[0], 3 * BT)
-    plan.after_alloc(req, blocks(list(range(6))).get_block_ids()[0], 0)  # allocated again
+    plan.after_alloc(req, blocks(list(range(6))).get_block_ids(), 3 * BT)
+    plan.after_alloc(req, blocks(list(range(6))).get_block_ids(), 0)  # allocated again
     stats = window.take()
     assert stats is not None
     assert stats.data["counters"] == {
@@ -140,7 +140,7 @@ def test_kv_events_are_one_block_stored_per_run_of_held_blocks() -> None:
     from tierstore.engines.vllm.plan import SaveSpec
 
     hashes = tuple(bytes([i]) * 32 for i in range(1, 5))
-    spec = SaveSpec("r", "", ((),), (7, 8, 9, 10), hashes, b"\x00" * 32, tuple(range(4 * BT)))
+    spec = SaveSpec("r", "", ((),), ((7, 8, 9, 10),), hashes, b"\x00" * 32, tuple(range(4 * BT)))
     events = stored_events([(spec, [0, 1, 3])], BT)  # position 2 was not stored
     assert len(events) == 2
     first, second = events

@@ -60,6 +60,11 @@ def blocks(ids: list[int]) -> KVCacheBlocks:
     return KVCacheBlocks(([KVCacheBlock(block_id=i) for i in ids],))
 
 
+def groups(ids: Any) -> tuple[list[int], ...]:
+    """Block ids per KV cache group: a list is the one group's."""
+    return ids if isinstance(ids, tuple) else (ids,)
+
+
 def step(
     new: list[tuple[Request, list[int], int]] = (),  # type: ignore[assignment]
     cached: list[tuple[Request, list[int] | None, int]] = (),  # type: ignore[assignment]
@@ -72,11 +77,11 @@ def step(
     cdata.req_ids = [r.request_id for r, _, _ in cached]
     cdata.resumed_req_ids = resumed or set()
     cdata.new_token_ids = [[] for _ in cached]
-    cdata.new_block_ids = [(ids,) if ids is not None else None for _, ids, _ in cached]
+    cdata.new_block_ids = [groups(ids) if ids is not None else None for _, ids, _ in cached]
     cdata.num_computed_tokens = [n for _, _, n in cached]
     cdata.num_output_tokens = [r.num_output_tokens for r, _, _ in cached]
     out = SchedulerOutput.make_empty()
-    out.scheduled_new_reqs = [NewRequestData.from_request(r, (ids,)) for r, ids, _ in new]  # type: ignore[call-arg]
+    out.scheduled_new_reqs = [NewRequestData.from_request(r, groups(ids)) for r, ids, _ in new]  # type: ignore[call-arg]
     for nd, (_, _, n) in zip(out.scheduled_new_reqs, new):
         nd.num_computed_tokens = n
     out.scheduled_cached_reqs = cdata
@@ -109,9 +114,9 @@ def test_keys_are_the_chain_over_token_ids_per_rank_and_salt() -> None:
     req = request(p)
     store.hold(LAYOUTS[0], p, 3)
     assert plan.matched_tokens(req, 0) == 3 * BT
-    plan.after_alloc(req, blocks([7, 8, 9, 10]).get_block_ids()[0], 3 * BT)
+    plan.after_alloc(req, blocks([7, 8, 9, 10]).get_block_ids(), 3 * BT)
     (load,), saves = plan.build(step(new=[(req, [7, 8, 9, 10], 3 * BT)], scheduled={"r1": 5}))
-    assert load.block_ids == (7, 8, 9)
+    assert load.block_ids == ((7, 8, 9),)
     for rank, layout in enumerate(LAYOUTS):
         assert list(load.keys[rank]) == chain_keys(layout, p)
     assert load.keys[0] != load.keys[1]
@@ -127,9 +132,9 @@ def test_load_plan_starts_after_vllms_own_prefix() -> None:
     req = request(p)
     assert plan.matched_tokens(req, 2 * BT) == 3 * BT
     ids = [20, 21, 22, 23, 24, 25]
-    plan.after_alloc(req, ids, 3 * BT)
+    plan.after_alloc(req, (ids,), 3 * BT)
     (load,), _ = plan.build(step(new=[(req, ids, 5 * BT)], scheduled={"r1": BT}))
-    assert load.block_ids == (22, 23, 24)
+    assert load.block_ids == ((22, 23, 24),)
     assert list(load.keys[0]) == chain_keys(LAYOUTS[0], p)[2:5]
 
 
@@ -142,11 +147,11 @@ def test_saves_follow_chunked_prefill_and_decode() -> None:
     ids = [1, 2, 3, 4]
     # Chunk 1 computes 20 tokens: one full block.
     loads, (s1,) = plan.build(step(new=[(req, ids, 0)], scheduled={"r1": 20}))
-    assert loads == [] and s1.block_ids == (1,)
+    assert loads == [] and s1.block_ids == ((1,),)
     assert list(s1.keys[0]) == chain_keys(LAYOUTS[0], p)[:1]
     # Chunk 2 computes the rest of the prompt: blocks 2 and 3 are full.
     _, (s2,) = plan.build(step(cached=[(req, None, 20)], scheduled={"r1": len(p) - 20}))
-    assert s2.block_ids == (2, 3)
+    assert s2.block_ids == ((2, 3),)
     assert list(s2.keys[1]) == chain_keys(LAYOUTS[1], p)[1:3]
     # Decoding: the block fills when its last token's KV is computed.
     for t in range(BT - 4):
@@ -155,7 +160,7 @@ def test_saves_follow_chunked_prefill_and_decode() -> None:
     assert saves == []  # one token of block 4 is not computed yet
     req.append_output_token_ids(999)
     _, (s3,) = plan.build(step(cached=[(req, [5], req.num_tokens - 2)], scheduled={"r1": 1}))
-    assert s3.block_ids == (4,)
+    assert s3.block_ids == ((4,),)
     assert list(s3.keys[0]) == chain_keys(LAYOUTS[0], list(req.all_token_ids))[3:4]
 
 
@@ -165,11 +170,11 @@ def test_a_preempted_request_gets_its_new_blocks() -> None:
     req = request(p)
     plan.matched_tokens(req, 0)
     _, (s,) = plan.build(step(new=[(req, [1, 2, 3], 0)], scheduled={"r1": BT}))
-    assert s.block_ids == (1,)
+    assert s.block_ids == ((1,),)
     _, (s,) = plan.build(
         step(cached=[(req, [7, 8, 9], 0)], scheduled={"r1": 2 * BT}, resumed={"r1"})
     )
-    assert s.block_ids == (8,)  # block 0 was saved already; block 1 now lives in 8
+    assert s.block_ids == ((8,),)  # block 0 was saved already; block 1 now lives in 8
 
 
 def test_failed_loads_are_saved_again_once_recomputed() -> None:
@@ -179,12 +184,12 @@ def test_failed_loads_are_saved_again_once_recomputed() -> None:
     req = request(p)
     assert plan.matched_tokens(req, 0) == 4 * BT
     ids = [10, 11, 12, 13, 14]
-    plan.after_alloc(req, ids, 4 * BT)
+    plan.after_alloc(req, (ids,), 4 * BT)
     (load,), saves = plan.build(step(new=[(req, ids, 4 * BT)], scheduled={"r1": 3}))
-    assert load.block_ids == (10, 11, 12, 13) and saves == []
+    assert load.block_ids == ((10, 11, 12, 13),) and saves == []
     plan.load_failed({12, 13})  # the worker could not load blocks 2 and 3
     _, (s,) = plan.build(step(cached=[(req, None, 2 * BT)], scheduled={"r1": 2 * BT + 3}))
-    assert s.block_ids == (12, 13)
+    assert s.block_ids == ((12, 13),)
 
 
 def test_finished_ends_the_turn_with_its_stored_blocks_and_forgets_it() -> None:
@@ -221,3 +226,65 @@ def test_settings_are_validated() -> None:
         ConnectorSettings.from_extra({"socket": "/x"})
     with pytest.raises(ValueError, match="reconnect_s"):
         ConnectorSettings.from_extra({"reconnect_s": 0})
+
+
+# -- hybrid models: vLLM's KV cache groups ------------------------------------------------
+
+
+def hybrid_planner(store: FakeStore) -> Planner:
+    """A full-attention group (0) and a sliding-window group (1)."""
+    return Planner(LAYOUTS, store.lookup, lambda r: request_salt(SETTINGS, r), session_of,
+                   num_groups=2, windowed=True)  # fmt: skip
+
+
+def test_a_hybrid_load_carries_every_groups_blocks_and_runs_in_the_background() -> None:
+    """Each group has its own block ids for the same token blocks; the
+    window's group has vLLM's null block (0) before its window. Even a DRAM
+    hit loads in the background: vLLM takes a multi-group failure only as
+    a failed request."""
+    store, p = FakeStore(), toks(4 * BT + 3)
+    store.hold(LAYOUTS[0], p, 4)
+    plan = hybrid_planner(store)
+    req = request(p)
+    assert plan.match(req, 0) == (4 * BT, True)
+    full_ids, window_ids = [10, 11, 12, 13, 14], [0, 0, 21, 22, 23]
+    plan.after_alloc(req, (full_ids, window_ids), 4 * BT)
+    (load,), saves = plan.build(step())
+    assert load.background and saves == []
+    assert load.block_ids == ((10, 11, 12, 13), (0, 0, 21, 22))
+    # Failed whole (failed_recving): recomputed from its first token, saved again.
+    plan.requests_failed({"r1"})
+    assert plan.counters.failed_loads == 1 and plan.counters.load_failed_blocks == 4
+    assert plan.match(req, 0) == (0, False)
+    _, (s,) = plan.build(step(new=[(req, ([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]), 0)],
+                              scheduled={"r1": len(p)}))  # fmt: skip
+    assert s.block_ids == ((1, 2, 3, 4), (6, 7, 8, 9))
+
+
+def test_a_hybrid_block_is_saved_only_in_the_step_that_completes_it() -> None:
+    store, p = FakeStore(), toks(4 * BT)
+    plan = hybrid_planner(store)
+    req = request(p)
+    assert plan.match(req, 0) == (0, False)
+    # Chunk 1: blocks 0 and 1 (both groups' blocks hold them now).
+    _, (s1,) = plan.build(step(new=[(req, ([1, 2, 3, 4], [5, 6, 7, 8]), 0)],
+                               scheduled={"r1": 2 * BT + 3}))  # fmt: skip
+    assert s1.block_ids == ((1, 2), (5, 6))
+    # Chunk 2 completes blocks 2 and 3; the window freed block 0 (null now).
+    _, (s2,) = plan.build(step(cached=[(req, None, 2 * BT + 3)], scheduled={"r1": 2 * BT - 3}))
+    assert s2.block_ids == ((3, 4), (7, 8)) and plan.counters.save_gaps == 0
+    # vLLM's own cache holds 3 blocks that the store lacks: a window's pages of
+    # the first ones are gone, so this request saves nothing.
+    other, q = FakeStore(), toks(5 * BT, seed=3)
+    plan = hybrid_planner(other)
+    req = request(q, rid="r2")
+    assert plan.match(req, 3 * BT) == (0, False)
+    _, saves = plan.build(step(new=[(req, ([1, 2, 3, 4, 5], [0, 0, 6, 7, 8]), 3 * BT)],
+                               scheduled={"r2": 2 * BT}))  # fmt: skip
+    assert saves == [] and plan.counters.save_gaps == 1
+    # One group (vLLM without its hybrid manager): the same request saves them all.
+    plan = planner(other)
+    req = request(q, rid="r3")
+    plan.match(req, 3 * BT)
+    _, (s,) = plan.build(step(new=[(req, [1, 2, 3, 4, 5], 3 * BT)], scheduled={"r3": 2 * BT}))
+    assert s.block_ids == ((1, 2, 3, 4, 5),)

@@ -38,6 +38,13 @@ in its scheduler process and one in each worker:
   ``get_block_ids_with_load_errors`` and vLLM recomputes them: a lost block
   costs a prefill, never a wrong token.
 
+Hybrid models: the connector declares ``SupportsHMA``, so vLLM keeps its
+hybrid KV cache manager on and hands block ids per KV cache group
+(``request_finished_all_groups``); full-attention layers load every stored
+block, sliding-window layers only their window's, and with more than one
+group a failed load fails its request (``get_transfer_results``), which
+vLLM recomputes (``vllm.plan``, ``vllm.layout.kv_groups``).
+
 Both sides count what they did into vLLM's connector stats, which ``vllm
 serve`` shows in its ``/metrics`` as ``vllm:tierstore_*`` (``vllm.metrics``).
 
@@ -66,12 +73,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from tierstore.engines.vllm.layout import (
     ConnectorSettings,
     engine_layouts,
     engine_refusal,
+    kv_groups,
     request_refusal,
     request_salt,
 )
@@ -128,8 +138,10 @@ def session_of(request: Any) -> str:
     return str(params.get("session") or getattr(request, "session_id", None) or request.request_id)
 
 
-class TierstoreConnector(KVConnectorBase_V1):
-    """See the module docstring."""
+class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring. ``SupportsHMA``: vLLM keeps its hybrid KV
+    cache manager on (sliding-window layers keep only their window's
+    blocks); ``vllm.plan`` says how loads and saves follow its groups."""
 
     def __init__(
         self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
@@ -156,7 +168,7 @@ class TierstoreConnector(KVConnectorBase_V1):
             self._refuse(f"engine: {self.disabled}", "the KV store is off for this engine")
             return
         self.layouts = engine_layouts(vllm_config, kv_cache_config, self.settings)
-        self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
+        self.groups = kv_groups(kv_cache_config)
         name = "vllm-scheduler" if role == KVConnectorRole.SCHEDULER else "vllm-worker"
         self.link = StoreLink(self.settings, name)
         self.planner = Planner(
@@ -167,6 +179,8 @@ class TierstoreConnector(KVConnectorBase_V1):
             async_loads=self.settings.async_loads,
             count=self.window.count,
             events=_kv_events_on(vllm_config),
+            num_groups=self.groups.num_groups,
+            windowed=self.groups.windowed,
         )
         # Lookups that ask peers or the bucket run off the scheduler's thread.
         self._slow_lookups: BudgetedCalls[tuple[TierName, ...]] | None = None
@@ -227,7 +241,7 @@ class TierstoreConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self.disabled is None:
-            self.planner.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+            self.planner.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         if self.disabled is not None:
@@ -247,6 +261,8 @@ class TierstoreConnector(KVConnectorBase_V1):
             self._events = merge(self._events, connector_output.kv_cache_events)
         if connector_output.invalid_block_ids:
             self.planner.load_failed(set(connector_output.invalid_block_ids))
+        if getattr(connector_output, "failed_recving", None):
+            self.planner.requests_failed(set(connector_output.failed_recving))
         if connector_output.finished_recving:
             self.planner.loads_done(set(connector_output.finished_recving))
         self._write_stats()
@@ -323,6 +339,11 @@ class TierstoreConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if self.disabled is not None:
             return False, None
         turn = self.planner.finished(request)
@@ -347,7 +368,9 @@ class TierstoreConnector(KVConnectorBase_V1):
             return
         layer_bytes = self.layouts[0].block_bytes // self.layouts[0].num_layers
         try:
-            self.worker.register(kv_caches, self.layer_names, layer_bytes)
+            self.worker.register(
+                kv_caches, self.groups.layer_names, layer_bytes, self.groups.group_of
+            )
         except PageLayoutError as e:
             self._refuse(f"pages: {e}", "vLLM's KV pages cannot be copied; loads will fail")
 
@@ -377,10 +400,17 @@ class TierstoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose background loads ended (their failed blocks come
-        from ``get_block_ids_with_load_errors`` in the same step)."""
+        from ``get_block_ids_with_load_errors`` in the same step; with more
+        than one KV cache group, use ``get_transfer_results``)."""
+        return None, self.get_transfer_results(finished_req_ids).finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s requests, and those of them whose load failed
+        as a whole (more than one KV cache group: vLLM recomputes them)."""
         if self.worker is None:
-            return None, None
-        return None, self.worker.finished_loads() or None
+            return KVConnectorTransferResults()
+        finished, failed = self.worker.finished_loads()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()

@@ -9,10 +9,16 @@ Provides:
   and ``kv_cache_config.kv_cache_layout``), so CPU- and GPU-layout blocks,
   or two models, never share a key.
 - ``engine_refusal(...)``: why an engine's KV cannot be restored by prefix
-  (more than one KV cache group, chunked attention, pages that are not K+V
-  of full attention, pipeline parallelism), or None. Sliding-window layers
-  are served: without ``SupportsHMA`` vLLM keeps them in one full-attention
-  group with every token's KV.
+  (a KV cache group of another kind than full or sliding-window attention:
+  Mamba state, MLA, chunked attention; groups of different pages; pages
+  that are not K+V; pipeline parallelism), or None, with the group named.
+- ``kv_groups(kv_cache_config)``: every attention layer in the model's
+  order and its KV cache group. vLLM's hybrid KV cache manager (the
+  connector declares ``SupportsHMA``) puts full-attention and
+  sliding-window layers in groups of their own, with block ids of their
+  own; without it one group holds every layer. The block is the same
+  either way (every layer's KV, in the model's layer order), so engines
+  with and without the hybrid manager share blocks.
 - ``request_refusal(request)``: why one request's KV cannot (multimodal
   inputs, LoRA, prompt embeddings), or None.
 - ``request_salt(settings, request)``: the tenant salt of a request's keys
@@ -108,9 +114,62 @@ def _config_hash(hf_config: Any, dtype: str) -> str:
     return blake3.blake3(encoded.encode()).hexdigest()[:16]
 
 
-def _single_spec(kv_cache_config: Any) -> Any:
-    groups = kv_cache_config.kv_cache_groups
-    return groups[0].kv_cache_spec if len(groups) == 1 else None
+@dataclass(frozen=True, slots=True)
+class KVGroups:
+    """See ``kv_groups``."""
+
+    layer_names: tuple[str, ...]  # the model's order: a block's layers, in order
+    group_of: tuple[int, ...]  # each layer's KV cache group
+    windowed: bool  # some group frees its blocks before a sliding window
+
+    @property
+    def num_groups(self) -> int:
+        return max(self.group_of) + 1
+
+
+def kv_groups(kv_cache_config: Any) -> KVGroups:
+    """The attention layers of vLLM's KV cache groups, in the model's layer
+    order (vLLM's own ``extract_layer_index``, which orders its KV caches)."""
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    pairs = [
+        (name, g)
+        for g, group in enumerate(kv_cache_config.kv_cache_groups)
+        for name in group.layer_names
+    ]
+    pairs.sort(key=lambda p: extract_layer_index(p[0]))
+    windowed = any(
+        isinstance(group.kv_cache_spec, SlidingWindowSpec)
+        for group in kv_cache_config.kv_cache_groups
+    )
+    return KVGroups(tuple(n for n, _ in pairs), tuple(g for _, g in pairs), windowed)
+
+
+def _group_refusal(spec: Any) -> str | None:
+    """Why one group's layers cannot be restored from stored blocks."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    if isinstance(spec, MLAAttentionSpec) or "MLA" in type(spec).__name__:
+        return "MLA (pages hold one latent per token, not K and V)"
+    # Exactly these kinds: their subclasses (sinks, ring windows) keep other pages.
+    if type(spec) not in (FullAttentionSpec, SlidingWindowSpec):
+        return f"layers of kind {type(spec).__name__}, not full or sliding-window attention"
+    # A sliding window inside a full-attention group is vLLM without its hybrid
+    # KV cache manager: every layer keeps every token's KV, the window only
+    # masks the attention, so a stored prefix restores exactly.
+    if getattr(spec, "attention_chunk_size", None):
+        return "chunked attention"
+    if _dtype_name(spec.dtype) not in DTYPE_BYTES:
+        return f"KV cache dtype {spec.dtype}"
+    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
+        return "K and V of different head sizes"
+    return None
+
+
+def _page_shape(spec: Any) -> tuple[Any, ...]:
+    return (spec.block_size, spec.num_kv_heads, spec.head_size, _dtype_name(spec.dtype),
+            spec.page_size_bytes)  # fmt: skip
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -118,29 +177,23 @@ def _dtype_name(dtype: Any) -> str:
 
 
 def engine_refusal(vllm_config: Any, kv_cache_config: Any) -> str | None:
-    """Why this engine's KV cannot be restored from stored prefix blocks."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
+    """Why this engine's KV cannot be restored from stored prefix blocks
+    (a hybrid model's group that cannot is named: the engine then runs
+    without the store, since a request needs every group's KV)."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        return f"hybrid KV cache ({len(groups)} groups: sliding-window, mamba or mixed layers)"
-    spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec):
-        return f"layers of kind {type(spec).__name__}, not full attention"
-    if isinstance(spec, MLAAttentionSpec):
-        return "MLA (pages hold one latent per token, not K and V)"
-    # A sliding window inside one full-attention group is vLLM without its hybrid
-    # KV cache manager (a connector without SupportsHMA turns it off): every
-    # layer keeps every token's KV, the window only masks the attention, so a
-    # stored prefix restores exactly. Chunked attention is still refused.
-    if getattr(spec, "attention_chunk_size", None):
-        return "chunked attention"
+    for g, group in enumerate(groups):
+        reason = _group_refusal(group.kv_cache_spec)
+        if reason is not None:
+            return reason if len(groups) == 1 else f"KV cache group {g} of {len(groups)}: {reason}"
+    shapes = {_page_shape(group.kv_cache_spec) for group in groups}
+    if len(shapes) > 1:
+        return (
+            "KV cache groups of different pages "
+            f"(block, heads, head size, dtype, bytes: {sorted(shapes)})"
+        )
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         return "pipeline parallelism (each rank holds some layers)"
-    if _dtype_name(spec.dtype) not in DTYPE_BYTES:
-        return f"KV cache dtype {spec.dtype}"
-    if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
-        return "K and V of different head sizes"
+    spec = groups[0].kv_cache_spec
     layout = engine_layouts(vllm_config, kv_cache_config, ConnectorSettings())[0]
     page_bytes = int(spec.page_size_bytes)
     if layout.block_bytes != layout.num_layers * page_bytes:
@@ -157,9 +210,7 @@ def engine_layouts(
     """One KVLayout per tensor-parallel rank (index = rank)."""
     from vllm.platforms import current_platform
 
-    spec = _single_spec(kv_cache_config)
-    if spec is None:
-        raise ValueError("engine_layouts needs a KV cache of one group")
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     model_config = vllm_config.model_config
     dtype = _dtype_name(spec.dtype)
     name = settings.model_name or str(model_config.model)
@@ -170,7 +221,7 @@ def engine_layouts(
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
     base = KVLayout(
         model=model,
-        num_layers=len(kv_cache_config.kv_cache_groups[0].layer_names),
+        num_layers=len(kv_groups(kv_cache_config).layer_names),
         num_kv_heads=int(spec.num_kv_heads),
         head_dim=int(spec.head_size),
         dtype=dtype,

@@ -5,8 +5,9 @@ request waits in vLLM's WAITING_FOR_REMOTE_KVS; one loader thread pins its
 blocks in the sidecar's arena (the sidecar promotes them from NVMe, fetches
 them from a peer or the bucket, within ``load_deadline_s``) and copies them
 into the request's pages while the engine keeps running other requests.
-``poll()`` returns the requests whose loads ended (vLLM's ``get_finished``)
-and the blocks that did not load (``get_block_ids_with_load_errors``).
+``poll()`` returns the requests whose loads ended (vLLM's ``get_finished``),
+the blocks that did not load (``get_block_ids_with_load_errors``, one KV
+cache group) and the requests with such blocks (``failed_recving``).
 
 Bounded: a load not done ``async_load_timeout_s`` after it was submitted is
 cancelled and reported with its missing blocks, never left pending. A
@@ -31,15 +32,15 @@ from dataclasses import dataclass, field
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.layout import ConnectorSettings
 from tierstore.engines.vllm.link import StoreLink
-from tierstore.engines.vllm.plan import LoadSpec
+from tierstore.engines.vllm.plan import GroupIds, LoadSpec
 from tierstore.errors import TierstoreError
 from tierstore.keys import KVLayout
 
 log = logging.getLogger("tierstore.engines.vllm")
 
-# Copies pinned blocks (client, layout, arena offsets) into vLLM's blocks (ids), every
-# layer, and returns once the copies are done (the pins are released after it).
-CopyIn = Callable[[StoreClient, KVLayout, list[int], tuple[int, ...]], None]
+# Copies pinned blocks (client, layout, arena offsets) into vLLM's blocks (ids per
+# group), every layer, and returns once the copies are done (the pins are released after).
+CopyIn = Callable[[StoreClient, KVLayout, list[int], GroupIds], None]
 
 
 @dataclass(slots=True)
@@ -101,11 +102,13 @@ class BackgroundLoader:
     def in_flight(self) -> int:
         return len(self._jobs)
 
-    def poll(self) -> tuple[set[str], set[int]]:
-        """Requests whose loads ended (done, failed or past their deadline)
-        and the vLLM blocks of theirs that did not load."""
+    def poll(self) -> tuple[set[str], set[int], set[str]]:
+        """Requests whose loads ended (done, failed or past their deadline),
+        the vLLM blocks of theirs that did not load (first group's ids) and
+        the requests with such blocks."""
         finished: set[str] = set()
         failed: set[int] = set()
+        failed_reqs: set[str] = set()
         now = time.monotonic()
         for req_id, job in list(self._jobs.items()):
             if not job.done and now < job.deadline:
@@ -122,11 +125,13 @@ class BackgroundLoader:
             if self.on_ended is not None:
                 self.on_ended(job.spec, got, ended - job.submitted)
             finished.add(req_id)
-            missing = job.spec.block_ids[got:]
+            missing = job.spec.block_ids[0][got:]
             failed.update(missing)
+            if missing:
+                failed_reqs.add(req_id)
             self.counters.loaded_blocks += got
             self.counters.failed_blocks += len(missing)
-        return finished, failed
+        return finished, failed, failed_reqs
 
     def close(self) -> None:
         self._queue.put(None)
@@ -172,9 +177,10 @@ class BackgroundLoader:
                 with job.lock:
                     if job.cancelled:
                         return
-                    ids = spec.block_ids[job.got : job.got + len(pinned.offsets)]
+                    end = job.got + len(pinned.offsets)
+                    ids = tuple(g[job.got : end] for g in spec.block_ids)
                     self.copy_in(client, layout, pinned.offsets, ids)
-                    job.got += len(pinned.offsets)
+                    job.got = end
             finally:
                 pinned.release()
             if len(pinned.offsets) < len(chunk):

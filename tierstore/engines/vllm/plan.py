@@ -3,8 +3,8 @@
 Provides:
 - ``LoadSpec`` / ``SaveSpec``: one request's blocks to load into (or save
   from) vLLM's pages this step: the store's keys per tensor-parallel rank
-  and vLLM's block ids, in the same order. They travel to the workers in the
-  connector's metadata.
+  and vLLM's block ids per KV cache group, in the same order. They travel
+  to the workers in the connector's metadata.
 - ``EndTurn``: what ``request_finished`` tells the sidecar.
 - ``Planner``: the per-request state behind ``get_num_new_matched_tokens``
   (``match``), ``update_state_after_alloc`` (``after_alloc``),
@@ -20,6 +20,22 @@ generated) in full blocks of the layout's ``block_tokens``; a match never
 covers the request's last token (vLLM must compute one); a block is saved
 once it is full and its KV was computed (this step or before), unless the
 store is known to hold it; loaded blocks are never saved again.
+
+Hybrid models (vLLM's hybrid KV cache manager, ``SupportsHMA``): each KV
+cache group (full-attention layers, sliding-window layers) has its own
+block ids for the same token blocks. A stored block holds every layer's KV,
+so a match is the same for every group; a sliding-window group's blocks
+before its window are vLLM's null block (``NULL_BLOCK_ID``), and the
+workers load only the others: exactly what vLLM itself keeps. A block is
+saved only in the step that completes it (``windowed``): vLLM frees a
+window's older blocks in later steps, and a block id held from before may
+belong to another request by then. A prefix that vLLM's own cache holds
+beyond what the store holds cannot be saved from such a group (its pages
+outside the window are gone), so that request saves nothing more
+(``save_gaps``). With more than one group every load runs in the
+background: vLLM takes a multi-group request's failed load only as a
+failed request (``failed_recving``: it recomputes it whole), never as
+failed blocks.
 
 Background loads (vLLM's async loads, with ``async_loads``): a match whose
 blocks are not all in DRAM (NVMe, a peer, the bucket) is loaded by the
@@ -53,13 +69,20 @@ Count = Callable[[str, int, str], None]
 IN_STEP_TIERS = frozenset({TierName.HBM, TierName.DRAM})
 """Tiers a load is copied from inside the step (no background load)."""
 
+NULL_BLOCK_ID = 0
+"""vLLM's null block (its BlockPool takes block 0 for it): the place of a
+sliding-window group's block that holds no KV (before the window)."""
+
+GroupIds = tuple[tuple[int, ...], ...]
+"""vLLM's block ids per KV cache group: ``ids[group][i]``."""
+
 
 @dataclass(frozen=True, slots=True)
 class LoadSpec:
     req_id: str
     salt: str
     keys: tuple[tuple[BlockKey, ...], ...]  # [tp_rank][i]
-    block_ids: tuple[int, ...]  # vLLM's block of keys[r][i]
+    block_ids: GroupIds  # [group][i]: vLLM's block of keys[r][i] in that group
     background: bool = False  # the worker's loader thread loads it; see get_finished
 
 
@@ -68,7 +91,7 @@ class SaveSpec:
     req_id: str
     salt: str
     keys: tuple[tuple[BlockKey, ...], ...]
-    block_ids: tuple[int, ...]
+    block_ids: GroupIds  # never NULL_BLOCK_ID
     # With KV events on: vLLM's hashes of these blocks, the one before them,
     # and their tokens (for the BlockStored events of the blocks once stored).
     block_hashes: tuple[Any, ...] = ()
@@ -89,7 +112,7 @@ class _Tracked:
     request: Any  # vllm.v1.request.Request (its token ids grow as it decodes)
     salt: str
     keys: list[list[BlockKey]]  # [tp_rank]: chain over request.all_token_ids
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # [group]
     stored_blocks: int = 0  # prefix the store holds (found by lookup, or saved)
     local_tokens: int = 0  # vLLM's own prefix-cache hit at the last match
     load: LoadSpec | None = None
@@ -108,7 +131,8 @@ class PlanCounters:
     background_loads: int = 0  # loads run by the worker's loader thread
     background_loads_done: int = 0  # ... reported through get_finished
     load_failed_blocks: int = 0  # blocks vLLM was told to recompute
-    failed_loads: int = 0  # requests with such blocks
+    failed_loads: int = 0  # requests with such blocks (or failed whole)
+    save_gaps: int = 0  # requests that stopped saving: a window's pages were gone
     steps_while_loading: int = 0  # steps that computed tokens while a background load ran
     tokens_while_loading: int = 0  # the tokens those steps computed
 
@@ -125,11 +149,17 @@ class Planner:
         async_loads: bool = False,
         count: Count | None = None,
         events: bool = False,
+        num_groups: int = 1,
+        windowed: bool = False,
     ) -> None:
         self.layouts = tuple(layouts)
         self.events = events  # saves carry what KV events need
         self._count: Count = count or (lambda name, n, label: None)
         self.async_loads = async_loads
+        self.num_groups = num_groups
+        self.windowed = windowed  # a group frees its blocks before the window
+        # More than one group: every load in the background (see the module docstring).
+        self.all_background = num_groups > 1
         self.counters = PlanCounters()
         self._background: list[LoadSpec] = []  # planned, not yet sent to the workers
         self._loading: set[str] = set()  # sent, not yet reported done
@@ -187,8 +217,9 @@ class Planner:
         t.local_tokens = num_computed_tokens
         tokens = max(0, len(tiers) * self.block_tokens - num_computed_tokens)
         beyond = tiers[num_computed_tokens // self.block_tokens :]
-        t.background = (
-            self.async_loads and tokens > 0 and any(x not in IN_STEP_TIERS for x in beyond)
+        t.background = tokens > 0 and (
+            self.all_background
+            or (self.async_loads and any(x not in IN_STEP_TIERS for x in beyond))
         )
         return tokens, t.background
 
@@ -198,10 +229,13 @@ class Planner:
 
     # -- update_state_after_alloc --------------------------------------------------------
 
-    def after_alloc(self, request: Any, block_ids: Sequence[int], num_external: int) -> None:
+    def after_alloc(
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external: int
+    ) -> None:
         """Plan the load of the ``num_external`` tokens matched for ``request``
         into the blocks vLLM allocated for them (called once per request
-        vLLM schedules, matched or not: the metrics count its query here)."""
+        vLLM schedules, matched or not: the metrics count its query here);
+        ``block_ids``: the request's blocks per group."""
         t = self._reqs.get(request.request_id)
         if t is None or t.request is not request:
             return  # refused: never matched
@@ -217,11 +251,11 @@ class Planner:
         end = start + num_external // bt
         for tier in t.tiers[start:end]:
             self._count("hit_tokens", bt, str(tier))
-        ids = tuple(block_ids[start:end])
+        ids = tuple(tuple(group[start:end]) for group in block_ids)
         keys = tuple(tuple(chain[start:end]) for chain in t.keys)
         spec = LoadSpec(request.request_id, t.salt, keys, ids, t.background)
         # A failed load is matched to these blocks before the request runs.
-        t.block_ids = list(block_ids)
+        t.block_ids = [list(group) for group in block_ids]
         if t.background:  # the request waits: it is not in this step's output
             self._background.append(spec)
             self.counters.background_loads += 1
@@ -245,8 +279,9 @@ class Planner:
             t = self._reqs.get(new.req_id)
             if t is None:
                 continue  # refused, or never matched
-            t.block_ids = list(new.block_ids[0])
-            self._plan(t, new.num_computed_tokens + scheduled.get(new.req_id, 0), loads, saves)
+            t.block_ids = [list(group) for group in new.block_ids]
+            done = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            self._plan(t, new.num_computed_tokens, done, loads, saves)
         cached = scheduler_output.scheduled_cached_reqs
         resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
@@ -255,28 +290,42 @@ class Planner:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in resumed:  # after a preemption: the whole list, anew
-                t.block_ids = list(new_ids[0]) if new_ids is not None else []
+                t.block_ids = [list(g) for g in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                t.block_ids.extend(new_ids[0])
-            done = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
-            self._plan(t, done, loads, saves)
+                for have, new_group in zip(t.block_ids, new_ids):
+                    have.extend(new_group)
+            before = cached.num_computed_tokens[i]
+            self._plan(t, before, before + scheduled.get(req_id, 0), loads, saves)
         return loads, saves
 
     def _plan(
-        self, t: _Tracked, computed_after: int, loads: list[LoadSpec], saves: list[SaveSpec]
+        self,
+        t: _Tracked,
+        computed_before: int,
+        computed_after: int,
+        loads: list[LoadSpec],
+        saves: list[SaveSpec],
     ) -> None:
         if t.load is not None:
             loads.append(t.load)
             t.load = None
+        if not t.block_ids:
+            return
         computed_after = min(computed_after, t.request.num_tokens)
-        full = min(computed_after // self.block_tokens, len(t.block_ids))
+        full = min(computed_after // self.block_tokens, *(len(g) for g in t.block_ids))
         if full <= t.stored_blocks:
             return
         self._keys_upto(t, full)
         lo, hi = t.stored_blocks, min(full, len(t.keys[0]))
+        if self.windowed and lo < computed_before // self.block_tokens:
+            # Blocks computed in an earlier step: a window's pages of them may be
+            # gone, and without them the rest of the chain is out of reach.
+            self.counters.save_gaps += 1
+            t.stored_blocks = hi
+            return
         if hi > lo:
             keys = tuple(tuple(chain[lo:hi]) for chain in t.keys)
-            ids = tuple(t.block_ids[lo:hi])
+            ids = tuple(tuple(group[lo:hi]) for group in t.block_ids)
             hashes = getattr(t.request, "block_hashes", ()) if self.events else ()
             if len(hashes) >= hi:  # vLLM hashes blocks of our size (else: no events)
                 bt = self.block_tokens
@@ -291,18 +340,29 @@ class Planner:
             t.stored_blocks = hi
 
     def load_failed(self, block_ids: set[int]) -> None:
-        """Blocks a worker could not load (vLLM recomputes them): the store
-        does not hold them after all, so they are saved again once computed,
-        and the request is not matched again."""
+        """Blocks a worker could not load (vLLM recomputes them; one group
+        only): the store does not hold them after all, so they are saved
+        again once computed, and the request is not matched again."""
         for t in self._reqs.values():
-            for i, block_id in enumerate(t.block_ids[: t.stored_blocks]):
+            for i, block_id in enumerate(t.block_ids[0][: t.stored_blocks] if t.block_ids else ()):
                 if block_id in block_ids:
-                    self.counters.load_failed_blocks += t.stored_blocks - i
-                    self._count("load_error_blocks", t.stored_blocks - i, "")
-                    self.counters.failed_loads += 1
-                    t.stored_blocks = i
-                    t.load_failed = True
+                    self._failed(t, i)
                     break
+
+    def requests_failed(self, req_ids: set[str]) -> None:
+        """Requests whose background load failed (vLLM's ``failed_recving``):
+        vLLM recomputes them from their first token."""
+        for req_id in req_ids:
+            t = self._reqs.get(req_id)
+            if t is not None:
+                self._failed(t, 0)
+
+    def _failed(self, t: _Tracked, first_missing: int) -> None:
+        self.counters.load_failed_blocks += t.stored_blocks - first_missing
+        self._count("load_error_blocks", t.stored_blocks - first_missing, "")
+        self.counters.failed_loads += 1
+        t.stored_blocks = first_missing
+        t.load_failed = True
 
     def loads_done(self, req_ids: set[str]) -> None:
         """The workers finished these requests' background loads (whole or

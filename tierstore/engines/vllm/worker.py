@@ -20,7 +20,10 @@ Provides:
 
 A block in the arena is the layers' pages of that block one after another
 (``vllm.layout``). No bytes cross the control socket: the copies go
-straight between vLLM's pages and the sidecar's shared arena.
+straight between vLLM's pages and the sidecar's shared arena. With vLLM's
+hybrid KV cache manager each layer's pages are those of its KV cache group
+(``group_of``), and a load skips a group's null blocks (a sliding window's
+blocks before the window hold nothing: ``vllm.plan``).
 
 Runs in vLLM's worker process, on the thread that runs the model (the
 background loader's copies on its own thread, into pages no step uses).
@@ -40,7 +43,7 @@ import torch
 from tierstore.client import ReserveStatus, StoreClient
 from tierstore.engines.vllm.layout import ConnectorSettings
 from tierstore.engines.vllm.link import StoreLink
-from tierstore.engines.vllm.plan import LoadSpec, SaveSpec
+from tierstore.engines.vllm.plan import NULL_BLOCK_ID, GroupIds, LoadSpec, SaveSpec
 from tierstore.errors import TierstoreError
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.memory.memcopy import copy_runs
@@ -155,7 +158,7 @@ class WorkerCounters:
 class _Reservation:
     layout: KVLayout
     keys: list[BlockKey]
-    pairs: list[tuple[int, int]]  # (arena offset of the block, vLLM block id)
+    pairs: list[list[tuple[int, int]]]  # [group]: (arena offset of the block, vLLM block id)
     spec: SaveSpec | None = None
     positions: list[int] = field(default_factory=list)  # of keys, in spec
     held: list[int] = field(default_factory=list)  # positions the store already held
@@ -187,6 +190,7 @@ class ConnectorWorker:
         self.tp_rank = tp_rank
         self.counters = WorkerCounters()
         self.paged: PagedKV | None = None
+        self.group_of: list[int] = []  # each layer's KV cache group
         self._mover: PageMover | None = None
         self._mover_arena: Any = None
         self._step = _Step()
@@ -197,12 +201,18 @@ class ConnectorWorker:
         self._loader_mover: tuple[Any, PageMover] | None = None  # (its arena, its mover)
 
     def register(
-        self, kv_caches: dict[str, torch.Tensor], layer_names: Sequence[str], layer_bytes: int
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        layer_names: Sequence[str],
+        layer_bytes: int,
+        group_of: Sequence[int] = (),
     ) -> None:
         """Map vLLM's KV tensors (raises PageLayoutError if they are not pages)
-        and, with background loads on, start their loader."""
+        and, with background loads on (always with more than one group),
+        start their loader."""
         self.paged = PagedKV(kv_caches, layer_names, layer_bytes)
-        if self.settings.async_loads:
+        self.group_of = list(group_of) if group_of else [0] * len(layer_names)
+        if self.settings.async_loads or max(self.group_of) > 0:
             self._background_loader()
 
     def _new_mover(self, arena: torch.Tensor) -> PageMover:
@@ -240,11 +250,13 @@ class ConnectorWorker:
                 keys = list(spec.keys[self.tp_rank])
                 for lo in range(0, len(keys), client.max_batch_keys):
                     got = client.reserve(layout, keys[lo : lo + client.max_batch_keys])
-                    res = _Reservation(layout, [], [], spec if spec.block_hashes else None)
+                    res = _Reservation(layout, [], [[] for _ in spec.block_ids],
+                                       spec if spec.block_hashes else None)  # fmt: skip
                     for j, (status, offset) in enumerate(zip(got.statuses, got.offsets)):
                         if status == ReserveStatus.OK:
                             res.keys.append(got.keys[j])
-                            res.pairs.append((offset, spec.block_ids[lo + j]))
+                            for pairs, ids in zip(res.pairs, spec.block_ids):
+                                pairs.append((offset, ids[lo + j]))
                             res.positions.append(lo + j)
                         elif status == ReserveStatus.EXISTS:
                             self.counters.save_exists_blocks += 1
@@ -279,8 +291,8 @@ class ConnectorWorker:
                     self.link.failed(e)
                 self._metric_load(spec, got, time.perf_counter() - t0)
             self.counters.loaded_blocks += got
-            self.counters.load_failed_blocks += len(spec.block_ids) - got
-            self._load_errors.update(spec.block_ids[got:])
+            self.counters.load_failed_blocks += len(spec.block_ids[0]) - got
+            self._load_errors.update(spec.block_ids[0][got:])  # one group: see register
 
     def _metric_load(self, spec: LoadSpec, got: int, seconds: float) -> None:
         if self.window is not None:
@@ -302,14 +314,21 @@ class ConnectorWorker:
                 deadline_s=self.settings.load_deadline_s,
             )
             self._step.pins.append(pinned)
-            ids = spec.block_ids[got : got + len(pinned.offsets)]
-            for layer in range(len(self.paged.pages)):
-                base = layer * self.paged.layer_bytes
-                mover.to_pages(layer, [(o + base, b) for o, b in zip(pinned.offsets, ids)])
-            got += len(pinned.offsets)
+            end = got + len(pinned.offsets)
+            self._to_pages(mover, pinned.offsets, tuple(g[got:end] for g in spec.block_ids))
+            got = end
             if len(pinned.offsets) < len(chunk):
                 break
         return got
+
+    def _to_pages(self, mover: PageMover, offsets: Sequence[int], ids: GroupIds) -> None:
+        """Every layer's part of the blocks at ``offsets`` into its group's
+        blocks ``ids[group]`` (a null block is skipped)."""
+        assert self.paged is not None
+        pairs = [[(o, b) for o, b in zip(offsets, g) if b != NULL_BLOCK_ID] for g in ids]
+        for layer, group in enumerate(self.group_of):
+            base = layer * self.paged.layer_bytes
+            mover.to_pages(layer, [(o + base, b) for o, b in pairs[group]])
 
     def _background_loader(self) -> Any:
         if self._loader is None:
@@ -322,7 +341,7 @@ class ConnectorWorker:
         return self._loader
 
     def _copy_in_background(
-        self, client: StoreClient, layout: KVLayout, offsets: list[int], ids: tuple[int, ...]
+        self, client: StoreClient, layout: KVLayout, offsets: list[int], ids: GroupIds
     ) -> None:
         """The loader thread's copies: every layer of the pinned blocks into
         their pages, done when it returns (its own mover: a CUDA one has its
@@ -332,19 +351,22 @@ class ConnectorWorker:
         if self._loader_mover is None or self._loader_mover[0] is not client.arena_tensor:
             self._loader_mover = (client.arena_tensor, self._new_mover(client.arena_tensor))
         mover = self._loader_mover[1]
-        for layer in range(len(self.paged.pages)):
-            base = layer * self.paged.layer_bytes
-            mover.to_pages(layer, [(o + base, b) for o, b in zip(offsets, ids)])
+        self._to_pages(mover, offsets, ids)
         mover.sync()
 
-    def finished_loads(self) -> set[str]:
-        """Requests whose background loads ended since the last call (their
-        failed blocks join the load errors, reported in the same step)."""
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """Requests whose background loads ended since the last call, and
+        those of them that failed. With one group their failed blocks join
+        the load errors (reported in the same step, and vLLM recomputes only
+        them) and no request is failed; with more, vLLM only takes the
+        failed requests (``failed_recving``)."""
         if self._loader is None:
-            return set()
-        finished, failed = self._loader.poll()
-        self._load_errors.update(failed)
-        return finished
+            return set(), set()
+        finished, failed_blocks, failed_reqs = self._loader.poll()
+        if max(self.group_of, default=0) > 0:
+            return finished, failed_reqs
+        self._load_errors.update(failed_blocks)
+        return finished, set()
 
     @property
     def loader_counters(self) -> Any:
@@ -370,8 +392,9 @@ class ConnectorWorker:
             return
         t0 = time.perf_counter()
         base = layer * self.paged.layer_bytes
+        group = self.group_of[layer]
         for res in self._step.saves:
-            self._mover.from_pages(layer, [(o + base, b) for o, b in res.pairs])
+            self._mover.from_pages(layer, [(o + base, b) for o, b in res.pairs[group]])
         self._step.layers_saved.add(layer)
         self._step.save_s += time.perf_counter() - t0
 
