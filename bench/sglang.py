@@ -23,8 +23,15 @@ is reported but not counted:
 - ``tierstore_generic``: the same on SGLang's generic path (flat pages);
 - ``file``: SGLang's own ``HiCacheFile`` (one file per page, its default
   L3), in a directory on this machine's disk (``--file-dir``);
+- ``file_cold``: ``HiCacheFile`` on disk with its files dropped from the
+  page cache after each backup (``posix_fadvise(DONTNEED)``, not timed), so
+  that its prefetch reads the disk, as it does for pages backed up long
+  enough ago (``file`` reads them back from the page cache: memory speed);
 - ``file_shm``: ``HiCacheFile`` on /dev/shm (tmpfs: no disk at all), the
   same backend with its storage at memory speed.
+
+After a file backend's backup the bench runs ``sync`` (not timed), so the
+dirty pages it left are not written back during the next timed step.
 
 After each backup the bench waits ``--settle-s`` (1 s): the sidecar hashes
 every committed block in the background (its integrity digest), which a
@@ -55,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import emit, ratio, sidecar  # noqa: E402
 
 MODEL = {"layers": 32, "heads": 8, "head_dim": 128, "dtype": "bfloat16"}
-BACKENDS = ("tierstore", "tierstore_generic", "file", "file_shm")
+BACKENDS = ("tierstore", "tierstore_generic", "file", "file_cold", "file_shm")
 DEFAULT_VENV = Path.home() / ".cache" / "tierstore-bench" / "sglang-venv"
 
 
@@ -87,7 +94,8 @@ def specs(args: argparse.Namespace, sock: Path, file_dirs: dict[str, str]) -> li
                 spec.update(backend="tierstore", socket_path=str(sock),
                             interface_v1=backend == "tierstore")  # fmt: skip
             else:
-                spec.update(backend="file", file_dir=file_dirs[backend])
+                spec.update(backend="file", file_dir=file_dirs[backend],
+                            cold_files=backend == "file_cold")  # fmt: skip
             out.append(spec)
     return out
 
@@ -113,7 +121,8 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="tierstore-sglang-bench-"))
     disk_dir = Path(args.file_dir) if args.file_dir else tmp / "hicache-file"
     shm_dir = Path(tempfile.mkdtemp(prefix="tierstore-sglang-bench-", dir="/dev/shm"))
-    file_dirs = {"file": str(disk_dir), "file_shm": str(shm_dir)}
+    file_dirs = {"file": str(disk_dir), "file_cold": str(disk_dir.with_name("hicache-file-cold")),
+                 "file_shm": str(shm_dir)}  # fmt: skip
     try:
         (tmp / "sidecar").mkdir()
         # The arena made ready before the sidecar serves: its background
@@ -177,6 +186,9 @@ def summarize(
     out["byte_exact"] = exact
     out["tierstore_vs_file_backup"] = ratio(med["tierstore"]["backup"], med["file"]["backup"])
     out["tierstore_vs_file_prefetch"] = ratio(med["tierstore"]["prefetch"], med["file"]["prefetch"])
+    out["tierstore_vs_file_cold_prefetch"] = ratio(
+        med["tierstore"]["prefetch"], med["file_cold"]["prefetch"]
+    )
     out["tierstore_vs_file_shm_backup"] = ratio(
         med["tierstore"]["backup"], med["file_shm"]["backup"]
     )

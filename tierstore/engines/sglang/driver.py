@@ -72,6 +72,9 @@ class Spec:
     timeout_s: float = 60.0  # each wait on a controller queue
     memcpy_reps: int = 0  # also time torch's copy of the conversation's bytes, this often
     settle_s: float = 0.0  # pause after the backup (the sidecar hashes what it got)
+    # HiCacheFile: its files' pages dropped from the page cache after the backup,
+    # so the prefetch reads the disk (as pages backed up long ago are read).
+    cold_files: bool = False
     # Specs with the same session share their two ranks (pools, controllers,
     # sidecar links), as one SGLang process serves many requests: a bench's
     # runs after the first meet warm links. "" = ranks of its own.
@@ -366,6 +369,12 @@ def _run(
         if spec.backup:
             result.backup_tokens, result.backup_s = source.backup(written, tokens, keys)
             result.backup_stats = source.stats()
+            if spec.backend == "file":
+                # Not timed: the disk writes the backup left dirty, so they do not
+                # land in the next timed step (or another backend's run).
+                os.sync()
+                if spec.cold_files:
+                    _drop_cached(spec.file_dir)
             time.sleep(spec.settle_s)
         if spec.prefetch:
             got, result.hit_tokens, done, result.prefetch_s = reader.prefetch(tokens)
@@ -378,6 +387,18 @@ def _run(
             result.prefetch_stats = reader.stats()
     finally:
         source.host.free(written)
+
+
+def _drop_cached(directory: str) -> None:
+    """Drop the page cache's copy of every file under ``directory``."""
+    for root, _, names in os.walk(directory):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def close_sessions() -> None:
