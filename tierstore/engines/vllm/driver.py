@@ -141,10 +141,17 @@ class VllmEngine:
         ``uni`` executor) instead of two more processes that import vLLM
         again: about 10 s to start here instead of 26. The connector's two
         roles then share that process; a server (``api_server``) or
-        ``tensor_parallel_size > 1`` keeps them apart."""
+        ``tensor_parallel_size > 1`` keeps them apart. vLLM's worker
+        processes get ``OMP_NUM_THREADS`` from their core binding (one core
+        with the reservation below, on 2 cores): the in-process one is given
+        the same count, as the thread count changes bf16 sums and so greedy
+        ids (measured: a warm 8B-KV prompt differed from cold at token 16
+        with 2 threads)."""
         if in_process:
             llm_kwargs = {"distributed_executor_backend": "uni", **(llm_kwargs or {})}
-            env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+            threads = str(max(1, (os.cpu_count() or 2) - 1))
+            env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": threads,
+                   **(env or {})}  # fmt: skip
         args = [
             str(python or sys.executable),
             "-m",
