@@ -189,6 +189,13 @@ def _sum(dicts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def run_dir_name(mode: str) -> str:
+    """A mode's directory: "tierstore#2" runs in "tierstore-2" (a "#" in a
+    unix socket's path ends gRPC's address: its URI takes the rest as a
+    fragment, and the connector found no sidecar)."""
+    return mode.replace("#", "-")
+
+
 def run_mode(
     mode: str, model: Path, tmp: Path, w: Workload, size: Sizing, args: argparse.Namespace,
     key: str = "",
@@ -196,7 +203,7 @@ def run_mode(
     """One mode on fresh servers: the summary, with ``samples`` and the
     ``outputs`` per (user, turn) for the comparison. ``key``: the run's name
     (its directory), the mode's by default."""
-    run_dir = tmp / (key or mode)
+    run_dir = tmp / run_dir_name(key or mode)
     run_dir.mkdir(parents=True, exist_ok=True)
     timeout_s = args.request_timeout_s
     started = time.perf_counter()
@@ -380,7 +387,7 @@ def main() -> None:
                 r = run_mode(base, model, tmp, w, size, args, key=mode)
             except Exception as e:  # reported, and the other modes still run
                 why = f"{type(e).__name__}: {e}"[: 2 * LOG_TAIL_CHARS]
-                for log in sorted((tmp / mode).glob("server*.log")):
+                for log in sorted((tmp / run_dir_name(mode)).glob("server*.log")):
                     if "first errors:" not in why:  # a server that died after it started
                         why += f"\n{log.name}: {log_excerpt(log)}"
                 result["modes"][mode] = {"error": why}
