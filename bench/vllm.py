@@ -399,6 +399,12 @@ def main() -> None:
             if n in m.own_cache_ttft:
                 row[f"{name}_own_cache_ttft_s"] = round(m.own_cache_ttft[n], 4)
         row["outputs_equal"] = all(m.first[n] == cold_first for m in modes.values())
+        # Which modes' first tokens differ from cold's, and on how many prompts.
+        row["first_token_differs"] = {
+            name: sum(a != b for a, b in zip(m.first[n], cold_first))
+            for name, m in modes.items()
+            if m.first[n] != cold_first
+        }
         row["store_cost_pairs"] = [round(r, 4) for r in pairs[n]]
         row["store_cost_e2e"] = round(statistics.median(pairs[n]) - 1, 4)
         if n in save_path:
