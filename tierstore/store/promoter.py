@@ -34,7 +34,9 @@ from tierstore.store.base import BlockMeta, Buffer
 from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier, ReserveStatus
 
 PROMOTER_COUNTERS = ("promotions", "promotion_failures")
-PIN_RACE_RETRIES = 2  # reserves again after a block held at the reserve was evicted before the pin
+# Reserves again after a block held at the reserve was evicted before the pin; a
+# waiter on another's promotion reads the block itself after it was evicted so.
+PIN_RACE_RETRIES = 2
 
 
 class PromotionSource(Protocol):
@@ -151,18 +153,25 @@ class Promoter:
         """Read ``key`` from NVMe into a DRAM slot and pin it for ``owner``;
         None if it is not on NVMe (under this layout) or the read failed.
         ``in_parallel``: other reads are in flight (see ``NvmeTier.read_into``)."""
-        with self._lock:
-            running = self._running.get(key)
-            if running is None:
-                self._running[key] = _Promotion()
-        if running is not None:
-            running.done.wait(self._wait_s)
-            return self._pin_matching(key, layout.fingerprint, owner)
-        try:
-            return self._promote_now(layout, key, owner, in_parallel)
-        finally:
+        for _ in range(PIN_RACE_RETRIES + 1):
             with self._lock:
-                self._running.pop(key).done.set()
+                running = self._running.get(key)
+                if running is None:
+                    self._running[key] = _Promotion()
+            if running is None:
+                try:
+                    return self._promote_now(layout, key, owner, in_parallel)
+                finally:
+                    with self._lock:
+                        self._running.pop(key).done.set()
+            done = running.done.wait(self._wait_s)
+            held = self._pin_matching(key, layout.fingerprint, owner)
+            if held is not None or not done:
+                return held  # pinned, or the other read is still running past the wait
+            # The other promotion ended and the block is not in DRAM: its read
+            # failed, or a make_room for another promotion evicted it before this
+            # pin (seen under overload). Promote it here, as the reader this time.
+        return None
 
     def _pin_matching(self, key: BlockKey, layout_fp: bytes, owner: int) -> DramEntry | None:
         dram = self._dram

@@ -4,6 +4,7 @@ and the collaborators it is given (no TieredStore)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -133,6 +134,47 @@ def test_concurrent_promotions_of_one_key_read_it_once(rig: Rig) -> None:
     assert len(got) == 3 and all(e is not None and bytes(rig.dram.view(e)) == data[0] for e in got)
     assert rig.source.reads == 1
     assert sum(rig.dram.pin_count(o) for o in (11, 12, 13)) == 3
+
+
+def test_a_waiter_whose_block_was_evicted_before_its_pin_promotes_it_itself(rig: Rig) -> None:
+    """Seen under overload (tests/reliability/test_overload.py): a load waits
+    on a prefetch's promotion of its block, the prefetch ends and lets go of
+    it, another promotion's make_room evicts it, and the load's pin finds
+    nothing. The waiter then reads the block itself instead of missing."""
+    keys, data = rig.on_source(1)
+    gate = threading.Event()
+    real_read, real_pin = rig.source.read_into, rig.dram.pin
+
+    def slow_read(key, out, **kw):
+        gate.wait(5)
+        return real_read(key, out, **kw)
+
+    evicted: list[int] = []
+
+    def pin(ks, owner):
+        if owner == 12 and not evicted:  # between the first promotion's end and this pin
+            rig.dram.release_owner(11)
+            evicted.append(rig.dram.remove(ks))
+        return real_pin(ks, owner)
+
+    rig.source.read_into = slow_read  # type: ignore[method-assign]
+    rig.dram.pin = pin  # type: ignore[method-assign]
+    got: dict[int, DramEntry | None] = {}
+    first = threading.Thread(target=lambda: got.update({11: rig.promoter.promote(L, keys[0], 11)}))
+    first.start()
+    deadline = time.monotonic() + 5
+    while not rig.promoter._running and time.monotonic() < deadline:  # the read has begun
+        time.sleep(0.001)
+    waiter = threading.Thread(target=lambda: got.update({12: rig.promoter.promote(L, keys[0], 12)}))
+    waiter.start()
+    time.sleep(0.05)  # the waiter is waiting on the first promotion
+    gate.set()
+    first.join(10)
+    waiter.join(10)
+    assert evicted == [1]
+    entry = got[12]
+    assert entry is not None and bytes(rig.dram.view(entry)) == data[0]
+    assert rig.source.reads == 2 and rig.dram.pin_count(12) == 1
 
 
 def test_a_closed_promoter_refuses_parallel_work(rig: Rig) -> None:
