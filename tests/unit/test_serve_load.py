@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+# After site-packages: bench/vllm.py must not stand for vllm in later imports.
+sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
 
 from serve_load import (
     Sample,
