@@ -156,7 +156,6 @@ class Planner:
         self.events = events  # saves carry what KV events need
         self._count: Count = count or (lambda name, n, label: None)
         self.async_loads = async_loads
-        self.num_groups = num_groups
         self.windowed = windowed  # a group frees its blocks before the window
         # More than one group: every load in the background (see the module docstring).
         self.all_background = num_groups > 1
