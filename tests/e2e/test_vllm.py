@@ -57,7 +57,13 @@ from tierstore.engines.vllm.driver import (
 )
 from tierstore.keys import KVLayout, chain_keys
 
-from ..integration.sidecar import REPO, SidecarProcess, free_port, overwrite_nvme_blocks
+from ..integration.sidecar import (
+    REPO,
+    SidecarProcess,
+    free_port,
+    overwrite_nvme_blocks,
+    push_out_of_dram,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -311,11 +317,7 @@ def test_blocks_overwritten_on_disk_are_a_verified_miss_and_recomputed(
     a = sidecars[0]
     with StoreClient(str(a.socket)) as c:
         # Filler of another layout, 1.5x the DRAM tier, pushes P_D's blocks to NVMe.
-        filler = KVLayout("filler", 4, 2, 64, "bfloat16", BLOCK)
-        n = DRAM * 3 // 2 // BLOCK_BYTES
-        keys = chain_keys(filler, list(range(n * BLOCK)))
-        for lo in range(0, n, 16):
-            assert all(c.store(filler, keys[lo : lo + 16], bytearray(16 * BLOCK_BYTES)))
+        push_out_of_dram(c, DRAM, BLOCK)
         failures_before = _tier(c, "nvme").verify_failures
         overwrite_nvme_blocks(a.nvme_dir)  # every block's bytes replaced, index untouched
         (out,), _ = _generate(e2.engine, [P_D])

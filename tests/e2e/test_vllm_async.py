@@ -33,14 +33,12 @@ pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', s
 
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import Output, VllmEngine, kv_transfer_config, tiny_llama
-from tierstore.keys import KVLayout, chain_keys
 
-from ..integration.sidecar import SidecarProcess, overwrite_nvme_blocks
+from ..integration.sidecar import SidecarProcess, overwrite_nvme_blocks, push_out_of_dram
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 BLOCK = 128
-BLOCK_BYTES = 4 * 2 * 2 * 64 * BLOCK * 2  # 4 layers, K+V, 2 heads, dim 64, bf16: 256 KiB
 NEW_TOKENS = 40  # compared greedy tokens per prompt
 DRAM = 32 << 20
 MIN_FREE_GIB = 6
@@ -122,11 +120,7 @@ def cold(model: Path, logs: Path, sidecar: SidecarProcess) -> dict[str, Output]:
     short = {k: o.token_ids for k, o in refs.items() if len(o.token_ids) != NEW_TOKENS}
     assert not short, f"cold runs stopped early: {short}"
     with StoreClient(str(sidecar.socket)) as c:
-        filler = KVLayout("filler", 4, 2, 64, "bfloat16", BLOCK)
-        n = DRAM * 3 // 2 // BLOCK_BYTES
-        keys = chain_keys(filler, list(range(n * BLOCK)))
-        for lo in range(0, n, 16):
-            assert all(c.store(filler, keys[lo : lo + 16], bytearray(16 * BLOCK_BYTES)))
+        push_out_of_dram(c, DRAM, BLOCK)
     return refs
 
 

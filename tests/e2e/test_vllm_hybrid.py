@@ -28,9 +28,8 @@ pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', s
 
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import VllmEngine, kv_transfer_config
-from tierstore.keys import KVLayout, chain_keys
 
-from ..integration.sidecar import SidecarProcess, overwrite_nvme_blocks
+from ..integration.sidecar import SidecarProcess, overwrite_nvme_blocks, push_out_of_dram
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -38,7 +37,6 @@ PROMPT = [random.Random(8).randrange(1, 1000) for _ in range(700)]  # 5 full blo
 NEW_TOKENS = 32
 WINDOW = 256
 BLOCK = 128
-BLOCK_BYTES = 4 * 2 * 2 * 64 * BLOCK * 2  # layers x K,V x heads x head_dim x tokens x bf16
 DRAM = 4 << 20
 HMA_OFF = "Turning off hybrid kv cache manager"
 SKIP_WINDOWS = {  # imported by the engines only (it imports vLLM)
@@ -132,11 +130,7 @@ def test_sliding_window_groups_restore_exactly(tmp_path: Path, sidecar: SidecarP
         # blocks: it raises on block ids from a multi-group engine) recomputes it.
         assert e.reset_prefix_cache()
         with StoreClient(str(sidecar.socket)) as c:
-            filler = KVLayout("filler", 4, 2, 64, "bfloat16", BLOCK)
-            n = DRAM * 3 // 2 // BLOCK_BYTES
-            keys = chain_keys(filler, list(range(n * BLOCK)))
-            for lo in range(0, n, 4):
-                assert all(c.store(filler, keys[lo : lo + 4], bytearray(4 * BLOCK_BYTES)))
+            push_out_of_dram(c, DRAM, BLOCK, batch=4)
             nvme = next(t for t in c.stat().tiers if t.name == "nvme")
             assert nvme.num_blocks >= 5
         overwrite_nvme_blocks(sidecar.nvme_dir)

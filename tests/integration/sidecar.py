@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 from tierstore.cli import ports
+from tierstore.client import StoreClient
+from tierstore.keys import KVLayout, chain_keys
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,6 +71,20 @@ class SidecarProcess:
                 self.proc.wait(10)
         self.log.close()
         return self.proc.returncode
+
+
+def push_out_of_dram(
+    client: StoreClient, dram_bytes: int, block_tokens: int, batch: int = 16
+) -> None:
+    """Store zero blocks of a layout no engine uses, 1.5x a DRAM tier of
+    ``dram_bytes``, so that every block stored before is pushed to NVMe."""
+    filler = KVLayout("filler", 4, 2, 64, "bfloat16", block_tokens)
+    n = dram_bytes * 3 // 2 // filler.block_bytes
+    keys = chain_keys(filler, list(range(n * block_tokens)))
+    for lo in range(0, n, batch):
+        some = keys[lo : lo + batch]
+        stored = client.store(filler, some, bytearray(len(some) * filler.block_bytes))
+        assert all(stored), f"filler batch at block {lo} not stored: {stored}"
 
 
 def overwrite_nvme_blocks(nvme_dir: Path) -> None:
