@@ -16,6 +16,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,40 +45,16 @@ def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
     return nbytes / best_of(repeats, lambda: np.copyto(dst, src)) / GB
 
 
-class AgedCopy:
-    """The limit of a copy out of memory that sat idle: ``nbytes`` written at
-    construction into anonymous memory of base pages (like the arena's
-    /dev/shm mapping), copied once, later, by ``read_gbps`` into memory
-    touched just before. On this VM memory left idle for a minute or two
-    reads several times slower the first time (measured: 1.4 GB/s after
-    120 s against 10.7 GB/s on the copy right after, one process, no page
-    fault in the guest: the host takes idle memory back), so a load of a
-    prefix stored minutes earlier is held to this, next to ``memcpy_gbps``."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self._src: mmap.mmap | None = mmap.mmap(-1, nbytes)
-        chunk = np.random.default_rng(1).bytes(1 << 20)
-        for lo in range(0, nbytes, len(chunk)):
-            self._src.write(chunk[: nbytes - lo])
-        self.written = time.monotonic()
-
-    def read_gbps(self) -> tuple[float, float]:
-        """(GB/s of the one copy, seconds the bytes sat idle); once only."""
-        if self._src is None:
-            raise RuntimeError("AgedCopy reads its bytes once")
-        dst = mmap.mmap(-1, self.nbytes)
-        dst.write(b"\0" * self.nbytes)  # touched: no page fault in the timed copy
-        out, src = np.frombuffer(dst, dtype=np.uint8), np.frombuffer(self._src, dtype=np.uint8)
-        idle = time.monotonic() - self.written
-        t0 = time.perf_counter()
-        np.copyto(out, src)
-        seconds = time.perf_counter() - t0
-        del out, src
-        dst.close()
-        self._src.close()
-        self._src = None
-        return self.nbytes / seconds / GB, idle
+def shm_buffer(nbytes: int) -> mmap.mmap:
+    """A shared mapping of an unlinked file on /dev/shm: the memory kind of
+    the sidecar's arena (tmpfs, base pages), not yet touched."""
+    fd, path = tempfile.mkstemp(prefix="bench-shm-", dir="/dev/shm")
+    try:
+        os.ftruncate(fd, nbytes)
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
