@@ -118,8 +118,19 @@ VLLM_MODES = [
 ]
 
 
-def plot_vllm(data: dict, out: Path) -> None:
-    runs = data["runs"]
+def plot_vllm(datas: list[dict], out: Path, name: str = "vllm_ttft.png") -> None:
+    """One group of bars per prompt length; with several runs of the bench,
+    per run and length."""
+    runs = [
+        dict(
+            r,
+            label=f"run {k + 1}, {r['tokens']} tokens"
+            if len(datas) > 1
+            else f"{r['tokens']} tokens",
+        )
+        for k, data in enumerate(datas)
+        for r in data["runs"]
+    ]
     modes = [m for m in VLLM_MODES if m[0] in runs[0]]
     width = 0.8 / len(modes)
     fig, ax = plt.subplots(figsize=(7.2, 4.4), dpi=120)
@@ -127,12 +138,12 @@ def plot_vllm(data: dict, out: Path) -> None:
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(runs))]
         ax.bar(xs, [r[key] for r in runs], width, label=label, color=color)
     ax.set_yscale("log")
-    ax.set_xticks(range(len(runs)), [f"{r['tokens']} tokens" for r in runs])
+    ax.set_xticks(range(len(runs)), [r["label"] for r in runs])
     ax.set_ylabel("time to first token (s, log)")
     ax.set_title("vLLM (CPU build) TTFT, fresh engine processes, 2 CPU cores")
     ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     fig.tight_layout()
-    fig.savefig(out / "vllm_ttft.png")
+    fig.savefig(out / name)
 
 
 SCALE_OPS = {
@@ -211,7 +222,8 @@ def main() -> None:
     parser.add_argument("--ttft", type=Path)
     parser.add_argument("--peer", type=Path)
     parser.add_argument("--routing", type=Path, help="bench/switch.py --simulate --json output")
-    parser.add_argument("--vllm", type=Path, help="bench/vllm.py --json output")
+    parser.add_argument("--vllm", type=Path, nargs="+", help="bench/vllm.py --json output(s)")
+    parser.add_argument("--vllm-name", default="vllm_ttft.png", help="the vLLM chart's file")
     parser.add_argument("--scale", type=Path, help="bench/scale.py --json output")
     parser.add_argument("--rules", type=Path, help="bench/switch.py --simulate --json output")
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
@@ -224,7 +236,7 @@ def main() -> None:
     if args.routing:
         plot_routing(json.loads(args.routing.read_text()), args.out)
     if args.vllm:
-        plot_vllm(json.loads(args.vllm.read_text()), args.out)
+        plot_vllm([json.loads(f.read_text()) for f in args.vllm], args.out, args.vllm_name)
     if args.scale:
         plot_scale(json.loads(args.scale.read_text()), args.out)
     if args.rules:
