@@ -4,7 +4,7 @@ load and backup of old blocks meets on this machine.
     python bench/memage.py [--json] [--mib 256] [--ages 0,30,60,120,240]
 
 On this machine (a Firecracker VM) memory nobody touched for a while is
-copied several times slower the first time than right after, with no page
+copied two to three times slower the first time than right after, with no page
 fault in the guest: the host takes idle guest memory back and gives it
 again on the next touch. A store's blocks are such memory: a prefix stored
 minutes before its returning turn sits idle in the arena until the load,

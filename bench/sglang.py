@@ -43,7 +43,7 @@ between the runs. ``aged_memcpy_gbps``: once a round, the same copy into a
 buffer written when the driver started and idle since, as the sidecar's
 arena units are when a backup first writes them (populated at its start;
 ``bench/memage.py``: this VM's host takes idle memory back, and the first
-write into it is several times slower), with each run's figure and idle
+write into it runs at about half the speed of the next), with each run's figure and idle
 seconds in ``aged_memcpy_runs_gbps`` / ``aged_memcpy_idle_s``. Each figure
 is the median of ``--reps`` runs; every run is in the JSON.
 ``byte_exact``: every page of every run came back equal.
