@@ -25,7 +25,13 @@ The wide-KV Llama (``WIDE_KV``: an 8B model's 96 KiB of KV a token), three
 more engines on their own sidecars WA and WB, one ~2,000-token prompt:
 ``wide_cold`` (no connector), ``wide_a`` on WA (computes it, saving, then
 from WA's DRAM once vLLM's own cache is reset) and ``wide_peer`` on WB
-(pulls it from WA).
+(pulls it from WA). A warm engine computes the prompt's last 91 tokens over
+1,920 loaded ones, so its reference is ``wide_cold``'s engine asking the
+prompt again over its own cached 1,920 (``wide_reuse``): on CPUs with AMX,
+vLLM's bf16 kernels sum a 2,011-token prefill and a 91-token one over a
+cached prefix in other orders, and greedy ids then part within 32 tokens
+with no store involved (measured: at the 8th token on a Sapphire Rapids
+VM); the same work over the same KV is exact on every CPU.
 
 A fresh engine (or one whose prefix cache was reset) has an empty prefix
 cache, so every cached token it reports (``num_cached_tokens``) came from
@@ -399,11 +405,24 @@ def wide_sidecars(
 
 
 @pytest.fixture(scope="module")
-def wide_cold(wide_model: Path, logs: Path) -> Output:
+def wide_runs(wide_model: Path, logs: Path) -> tuple[Output, Output]:
+    """P_W computed whole, then asked again over vLLM's own cached prefix."""
     with _engine(wide_model, logs, "wide-cold", None, llm_kwargs=WIDE_LLM) as eng:
         (out,), seconds = _generate(eng, [P_W])
+        (again,), _ = _generate(eng, [P_W])
     print(f"wide KV cold: {seconds:.2f} s")
-    return out
+    assert again.num_cached_tokens == _reusable(P_W)  # the reference reused its prefix
+    return out, again
+
+
+@pytest.fixture(scope="module")
+def wide_cold(wide_runs: tuple[Output, Output]) -> Output:
+    return wide_runs[0]
+
+
+@pytest.fixture(scope="module")
+def wide_reuse(wide_runs: tuple[Output, Output]) -> Output:
+    return wide_runs[1]
 
 
 @pytest.fixture(scope="module")
@@ -429,10 +448,10 @@ def test_wide_kv_saving_does_not_change_outputs(wide_a: dict[str, Any], wide_col
     assert wide_a["saving"].token_ids == wide_cold.token_ids
 
 
-def test_wide_kv_resumes_warm_from_dram(wide_a: dict[str, Any], wide_cold: Output) -> None:
+def test_wide_kv_resumes_warm_from_dram(wide_a: dict[str, Any], wide_reuse: Output) -> None:
     assert wide_a["warm"].num_cached_tokens == _reusable(P_W) == 1920
     assert wide_a["dram_hits"] >= 15  # its 15 blocks (12 MiB each) came from WA's DRAM
-    assert wide_a["warm"].token_ids == wide_cold.token_ids
+    assert wide_a["warm"].token_ids == wide_reuse.token_ids
 
 
 def test_wide_kv_resumes_warm_from_a_peer(
@@ -440,7 +459,7 @@ def test_wide_kv_resumes_warm_from_a_peer(
     logs: Path,
     wide_sidecars: tuple[SidecarProcess, ...],
     wide_a: Any,
-    wide_cold: Output,
+    wide_reuse: Output,
 ) -> None:
     wb = wide_sidecars[1]
     with StoreClient(str(wb.socket)) as c:
@@ -456,4 +475,4 @@ def test_wide_kv_resumes_warm_from_a_peer(
     print(f"wide KV on WB from WA: {seconds:.2f} s, {fetched} blocks fetched")
     assert out.num_cached_tokens == 1920
     assert fetched >= 15  # WB held nothing: every block came from WA
-    assert out.token_ids == wide_cold.token_ids
+    assert out.token_ids == wide_reuse.token_ids
