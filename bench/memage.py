@@ -5,8 +5,9 @@ load and backup of old blocks meets on this machine.
 
 On this machine (a Firecracker VM) memory nobody touched for a while is
 copied two to three times slower the first time than right after, with no page
-fault in the guest: the host takes idle guest memory back and gives it
-again on the next touch. A store's blocks are such memory: a prefix stored
+fault in the guest (which runs DAMON with a pageout scheme for memory idle
+60 s, and has no swap; whether that or the host makes the first touch slow
+is not measured apart). A store's blocks are such memory: a prefix stored
 minutes before its returning turn sits idle in the arena until the load,
 and so do pages of a pool allocated at start. A ``memcpy`` between two
 buffers touched just before (``common.memcpy_gbps``) never pays this, so it
@@ -24,7 +25,7 @@ for that many seconds and then copied once:
 ``kept_warm``: a buffer of the longest age of which one byte a page was
 read every ``--touch-s`` seconds while it waited, copied first after the
 last wait (before the idle buffers of that age, so that nothing before it
-warms the CPU more): if the host takes back memory by its accessed bits,
+warms the CPU more): if idle memory is taken back by its accessed bits,
 this one reads at the hot speed. Every timed copy follows a write of its
 touched side, so no copy starts on an idle CPU. Ages run together (one
 clock), so the bench takes about the longest age.
