@@ -42,7 +42,7 @@ buffers, in the same process, on the same threads the copies get, timed
 between the runs. ``aged_memcpy_gbps``: once a round, the same copy into a
 buffer written when the driver started and idle since, as the sidecar's
 arena units are when a backup first writes them (populated at its start;
-``bench/memage.py``: this VM's host takes idle memory back, and the first
+``bench/memage.py``: on this VM memory left idle is slow to touch, and the first
 write into it runs at about half the speed of the next), with each run's figure and idle
 seconds in ``aged_memcpy_runs_gbps`` / ``aged_memcpy_idle_s``. Each figure
 is the median of ``--reps`` runs; every run is in the JSON.

@@ -315,7 +315,7 @@ def time_memcpy(num_bytes: int, reps: int) -> tuple[list[float], float, float]:
 
 
 # Buffers written once when the driver starts and each copied into once,
-# later (time_memcpy): on a VM whose host takes idle memory back, memory as
+# later (time_memcpy): on a VM where idle memory is slow to touch again, memory as
 # old as a sidecar arena populated at its start is written about half as
 # fast the first time, which a copy between touched buffers never shows.
 _AGED: list[tuple[torch.Tensor, float]] = []
