@@ -7,11 +7,16 @@ get), and ``STREAMING``, whether it runs the C loop of
 1.3-1.6x glibc's memcpy for runs of 320 KiB - 32 MiB in and out of the
 arena, see that file) or numpy's memcpy (no compiler at install).
 
-``copy_runs(dst, src, dst_offsets, src_offsets, nbytes)`` copies many runs
-of one size between two buffers in one call (the engines' page copies: one
-run per block and layer), with no Python per run; its C loop for large runs
-is a forward one with 32-byte non-temporal stores on CPUs with AVX2 (1.6x
-the four-page loop on the 2-core AMD VM, see ``_fastcopy.c``).
+``copy_runs(dst, src, dst_offsets, src_offsets, nbytes, threads=1)``
+copies many runs of one size between two buffers in one call (the engines'
+page copies: one run per block and layer), with no Python per run, on
+``threads`` threads. Its C loop for large runs depends on the CPU
+(``RUNS_LOOP``, measured in ``_fastcopy.c``): on Intel with AVX-512 the
+four-page loop with 64-byte non-temporal stores (1.3x the forward loop on
+the 2-core Sapphire Rapids VM), elsewhere with AVX2 a forward loop with
+32-byte ones (1.6x the four-page SSE loop on the 2-core AMD VM). One
+thread does not reach a machine's memory bandwidth everywhere: two gave
+1.9x one on the Sapphire Rapids VM, and nothing on the AMD one.
 
 Runs in whichever process and thread calls it; the C loop releases the GIL.
 """
@@ -33,8 +38,36 @@ try:  # apart: an extension built before copy_runs still serves copy_into
 except ImportError:  # pragma: no cover - exercised by the fallback test
     _c_copy_runs = None
 
+try:
+    from tierstore.memory._fastcopy import RUNS_LOOP as _C_RUNS_LOOP
+except ImportError:  # pragma: no cover - an extension built before the choice was exported
+    _C_RUNS_LOOP = ""
+
 STREAMING = bool(_c_copy is not None and _C_STREAMING)
 """True when large copies use non-temporal stores."""
+
+RUNS_LOOP = _C_RUNS_LOOP if _c_copy_runs is not None else "numpy"
+"""The loop ``copy_runs`` uses for runs of 256 KiB and more on this CPU:
+``pages512`` (Intel with AVX-512), ``avx2``, ``pages`` (SSE2), ``memcpy``
+(not x86-64), ``numpy`` (no C extension)."""
+
+MAX_COPY_THREADS = 64
+
+
+def set_runs_loop(name: str) -> str:
+    """Make ``copy_runs`` and ``copy_into`` use the C loop ``name``
+    (``pages512``, ``avx2``, ``pages``) for large runs; returns the loop used
+    before. For tests and measurements of each loop; call it while no copy
+    runs. Raises ValueError for a loop this CPU cannot run, RuntimeError
+    without the C extension."""
+    global RUNS_LOOP
+    if _c_copy_runs is None:
+        raise RuntimeError("set_runs_loop: the C extension was not built")
+    from tierstore.memory._fastcopy import set_runs_loop as _c_set
+
+    before: str = _c_set(name)
+    RUNS_LOOP = name
+    return before
 
 
 def copy_into(dst: Any, src: Any) -> None:
@@ -57,16 +90,23 @@ def _numpy_copy(dst: Any, src: Any) -> None:
     np.copyto(d, s)
 
 
-def copy_runs(dst: Any, src: Any, dst_offsets: Any, src_offsets: Any, nbytes: int) -> None:
+def copy_runs(
+    dst: Any, src: Any, dst_offsets: Any, src_offsets: Any, nbytes: int, threads: int = 1
+) -> None:
     """For every i, copy ``nbytes`` from ``src`` at byte ``src_offsets[i]``
     into ``dst`` at byte ``dst_offsets[i]``. ``dst`` and ``src``: C-contiguous
     buffers (``dst`` writable); the offsets: int64 arrays of one length.
-    Raises ValueError, before copying anything, for a run outside its buffer
-    or overlapping its own source."""
+    ``threads``: how many threads copy (the caller's and helpers started
+    for the call; at most one per 4 MiB), 1-64; the fallback without the C
+    extension copies on the caller's alone. Raises ValueError, before
+    copying anything, for a run outside its buffer or overlapping its own
+    source, or for a thread count out of range."""
+    if not 1 <= threads <= MAX_COPY_THREADS:
+        raise ValueError(f"copy_runs: threads is {threads}, not 1-{MAX_COPY_THREADS}")
     d_off = np.ascontiguousarray(dst_offsets, dtype=np.int64)
     s_off = np.ascontiguousarray(src_offsets, dtype=np.int64)
     if _c_copy_runs is not None:
-        _c_copy_runs(dst, src, d_off, s_off, nbytes)
+        _c_copy_runs(dst, src, d_off, s_off, nbytes, threads)
         return
     _numpy_copy_runs(dst, src, d_off, s_off, nbytes)
 

@@ -90,3 +90,72 @@ def test_c_refuses_offsets_that_are_not_int64():
     dst = np.zeros(64, np.uint8)
     with pytest.raises(TypeError, match="int64"):
         memcopy._c_copy_runs(dst, dst.copy(), np.zeros(1, np.int32), np.zeros(1, np.int64), 8)
+
+
+@pytest.fixture(params=["pages512", "avx2", "pages"])
+def loop(request):
+    """Each C loop for large runs that this CPU runs, not only the one chosen
+    for it (``RUNS_LOOP``), restored afterwards."""
+    if memcopy._c_copy_runs is None:
+        pytest.skip("the C extension was not built")
+    try:
+        before = memcopy.set_runs_loop(request.param)
+    except ValueError:
+        pytest.skip(f"this CPU cannot run the {request.param} loop")
+    yield request.param
+    memcopy.set_runs_loop(before)
+
+
+# Long runs (5 MiB + 129: three pieces of 2 MiB a run, the last a short one;
+# six runs, 31 MiB, give up to seven threads something to copy) and short
+# ones (257 bytes, grouped 8160 to a piece; 50000 runs, 12 MiB, the last
+# piece partial), at odd alignments.
+@pytest.mark.parametrize("nbytes,runs", [((5 << 20) + 129, 6), (257, 50000)])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_each_loop_on_threads_equals_one_copy_per_run(loop, threads, nbytes, runs):
+    src, s_off, d_off = scattered(nbytes, runs, threads)
+    got = np.full(len(src), 0xAB, np.uint8)
+    want = got.copy()
+    memcopy.copy_runs(got, src, d_off, s_off, nbytes, threads)
+    one_copy_per_run(want, src, d_off, s_off, nbytes)
+    assert np.array_equal(got, want)
+    # Negative control: the oracle sees one piece (a run's second 2 MiB, or
+    # the last short run) left out.
+    wrong = want.copy()
+    lost = d_off[0] + (2 << 20) if nbytes > (2 << 20) else d_off[-1]
+    wrong[lost : lost + min(nbytes, 2 << 20)] = 0xAB
+    assert not np.array_equal(got, wrong)
+
+
+@pytest.mark.parametrize("nbytes", RUN_BYTES)
+def test_each_loop_on_small_and_odd_runs(loop, nbytes):
+    src, s_off, d_off = scattered(nbytes, 7, nbytes + 1)
+    got = np.full(len(src), 0xAB, np.uint8)
+    want = got.copy()
+    memcopy.copy_runs(got, src, d_off, s_off, nbytes, 4)  # under 4 MiB a thread: one
+    one_copy_per_run(want, src, d_off, s_off, nbytes)
+    assert np.array_equal(got, want)
+
+
+def test_each_loop_in_copy_into(loop):
+    src = np.random.default_rng(5).integers(0, 256, (3 << 20) + 77, dtype=np.uint8)
+    dst = np.zeros(len(src) + 16, np.uint8)
+    memcopy.copy_into(dst[13 : 13 + len(src)], src)  # a destination off its lines
+    assert np.array_equal(dst[13 : 13 + len(src)], src)
+    assert not dst[:13].any() and not dst[13 + len(src) :].any()
+
+
+def test_thread_counts_out_of_range_refused(copy_runs):
+    dst = np.zeros(64, np.uint8)
+    for threads in (0, -1, memcopy.MAX_COPY_THREADS + 1):
+        with pytest.raises(ValueError, match="threads"):
+            copy_runs(dst, np.ones(64, np.uint8), [0], [0], 8, threads)
+    assert not dst.any()
+
+
+def test_a_loop_the_cpu_cannot_run_is_refused():
+    if memcopy._c_copy_runs is None:
+        pytest.skip("the C extension was not built")
+    with pytest.raises(ValueError, match="cannot run"):
+        memcopy.set_runs_loop("sse9")
+    assert memcopy.RUNS_LOOP in ("pages512", "avx2", "pages", "memcpy")
