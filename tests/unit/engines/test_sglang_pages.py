@@ -4,6 +4,7 @@ each layout, with every element naming its own (K|V, layer, token, head, dim).""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from tierstore.engines.sglang.layout import (
+    AUTO_COPY_THREADS,
     StorageSettings,
     block_keys,
     host_pages,
@@ -174,6 +176,15 @@ def test_settings_take_tierstores_keys_and_leave_sglangs() -> None:
         StorageSettings.from_extra({"include_peers": "yes"})
 
 
+def test_copy_threads_default_to_the_cores_and_refuse_nonsense() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert StorageSettings().copy_thread_count() == min(cores, AUTO_COPY_THREADS)
+    assert StorageSettings.from_extra({"copy_threads": 3}).copy_thread_count() == 3
+    for bad in (-1, 65, 2.5, True, "2"):
+        with pytest.raises(ValueError, match="copy_threads"):
+            StorageSettings.from_extra({"copy_threads": bad})
+
+
 def test_host_pages_reads_an_mha_host_pool_by_attribute() -> None:
     pool = SimpleNamespace(kv_buffer=host_buffer("page_first"), layout="page_first",
                            layer_num=L, page_size=PS, head_num=H, head_dim=D,
@@ -204,6 +215,31 @@ def test_runs_copy_a_batch_like_the_views_do(layout: str) -> None:
         assert torch.equal(dst.block_view(start), src.block_view(start))
     assert dst.run_bytes == {"layer_first": PS * H * D, "page_first": H * D,
                              "page_first_direct": L * PS * H * D}[layout] * 4  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_runs_on_several_threads_copy_what_one_thread_does(layout: str) -> None:
+    """Pages big enough for copy_runs to use helper threads (2 MiB blocks, 6
+    pages: up to three threads), both ways, against one thread's copy."""
+    layers, ps, heads, dim, pages = 4, 64, 8, 128, 6
+    shape = PageShape(layers=layers, page_size=ps, heads=heads, head_dim=dim, dtype=torch.float32)
+    x = torch.randn(2, layers, pages * ps, heads, dim, generator=torch.Generator().manual_seed(4))
+    kv = {"layer_first": x, "page_first": x.permute(0, 2, 1, 3, 4),
+          "page_first_direct": x.view(2, layers, pages, ps, heads, dim).permute(0, 2, 1, 3, 4, 5),
+          }[layout].contiguous()  # fmt: skip
+    src = HostPages(kv, layout, shape)
+    n = shape.block_bytes
+    slots, starts = [p * n for p in (3, 0, 5, 1, 4, 2)], [p * ps for p in range(pages)]
+    one, many = np.zeros(pages * n, np.uint8), np.zeros(pages * n, np.uint8)
+    src.store_runs(one, slots, starts)
+    src.store_runs(many, slots, starts, threads=3)
+    assert one.any() and np.array_equal(one, many)
+    back = HostPages(torch.zeros_like(kv), layout, shape)
+    back.load_runs(many, slots, starts, threads=3)
+    assert torch.equal(back.kv, kv)
+    many[slots[2] + n - 1] ^= 1  # negative control: one byte of one block
+    back.load_runs(many, slots, starts, threads=3)
+    assert not torch.equal(back.kv, kv)
 
 
 def test_runs_in_the_wrong_order_would_fail_the_copy_check() -> None:

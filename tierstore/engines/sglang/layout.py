@@ -13,6 +13,7 @@ tested without SGLang.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -22,6 +23,9 @@ import torch
 
 from tierstore.engines.sglang.pages import HostPages, PageLayoutError, PageShape
 from tierstore.keys import BlockKey, KVLayout
+from tierstore.memory.memcopy import MAX_COPY_THREADS
+
+AUTO_COPY_THREADS = 4  # copy_threads=0: at most this many (two reach it on one VM, see memcopy)
 
 # HiCacheStorageConfig.extra_config keys that are SGLang's, not ours.
 _SGLANG_KEYS = frozenset(
@@ -41,6 +45,10 @@ class StorageSettings:
     reconnect_s: float = 5.0  # after the sidecar failed, try it again this often
     model_name: str = ""  # the model's name in keys ("" = SGLang's model name)
     tenant_salt: str = ""  # a namespace of its own (e.g. per deployment)
+    # Threads for one batch's copies between the host pool and the arena (one
+    # memory stream per thread; one does not reach the memory bandwidth on every
+    # CPU, see memcopy). 0 = the cores this process may run on, at most 4.
+    copy_threads: int = 0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> StorageSettings:
@@ -57,9 +65,20 @@ class StorageSettings:
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        threads = settings.copy_threads
+        if isinstance(threads, bool) or not isinstance(threads, int):
+            raise ValueError(f"copy_threads must be a whole number, got {threads!r}")
+        if not 0 <= threads <= MAX_COPY_THREADS:
+            raise ValueError(f"copy_threads must be 0 (auto) to {MAX_COPY_THREADS}, got {threads}")
         if not isinstance(settings.include_peers, bool):
             raise ValueError(f"include_peers must be true or false, got {settings.include_peers!r}")
         return settings
+
+    def copy_thread_count(self) -> int:
+        """``copy_threads``, with 0 resolved against this process's cores."""
+        if self.copy_threads:
+            return self.copy_threads
+        return max(1, min(AUTO_COPY_THREADS, len(os.sched_getaffinity(0))))
 
 
 def storage_layout(config: Any, shape: PageShape, settings: StorageSettings) -> KVLayout:

@@ -22,9 +22,10 @@ back, with no tensor in between.
 
 ``store_runs`` / ``load_runs`` move a whole batch of pages between the
 host pool and arena slots in one ``memcopy.copy_runs`` call (GIL-free C, no
-Python per page or run): each page is a few contiguous runs, the same for
-every page of a layout (2 for ``page_first_direct``, 2 x layers for
-``layer_first``, 2 x layers x page_size for ``page_first``).
+Python per page or run, on as many threads as asked): each page is a few
+contiguous runs, the same for every page of a layout (2 for
+``page_first_direct``, 2 x layers for ``layer_first``, 2 x layers x
+page_size for ``page_first``).
 
 ``flat_view`` does the same for the flat pages of SGLang's generic path
 (``get_data_page(flat=True)`` / ``set_from_flat_data_page``), whose byte
@@ -124,17 +125,22 @@ class HostPages:
         arena = (np.asarray(slots, dtype=np.int64)[:, None] + runs[None, :]).reshape(-1)
         return host, arena
 
-    def store_runs(self, arena: Any, slots: Sequence[int], starts: Sequence[int]) -> None:
+    def store_runs(
+        self, arena: Any, slots: Sequence[int], starts: Sequence[int], threads: int = 1
+    ) -> None:
         """Copy the pages at host token slots ``starts`` into the arena
-        (a writable buffer) at byte offsets ``slots``, in the block order."""
+        (a writable buffer) at byte offsets ``slots``, in the block order,
+        on ``threads`` threads."""
         host, at = self._offsets(starts, slots)
-        copy_runs(arena, self._bytes, at, host, self.run_bytes)
+        copy_runs(arena, self._bytes, at, host, self.run_bytes, threads)
 
-    def load_runs(self, arena: Any, slots: Sequence[int], starts: Sequence[int]) -> None:
+    def load_runs(
+        self, arena: Any, slots: Sequence[int], starts: Sequence[int], threads: int = 1
+    ) -> None:
         """Copy blocks at arena byte offsets ``slots`` into the host pages
-        at token slots ``starts``."""
+        at token slots ``starts``, on ``threads`` threads."""
         host, at = self._offsets(starts, slots)
-        copy_runs(self._bytes, arena, host, at, self.run_bytes)
+        copy_runs(self._bytes, arena, host, at, self.run_bytes, threads)
 
     def _check(self, index: int) -> None:
         ps = self.shape.page_size

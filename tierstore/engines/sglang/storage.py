@@ -21,7 +21,8 @@ own (``StoreLink``: a sidecar that is gone gives misses within
 - ``batch_set_v1`` / ``batch_get_v1(keys, host_indices)`` (``interface_v1``):
   reserve (or pin) the batch's blocks in the sidecar's arena and copy the
   pages between the host pool and the arena directly, the whole batch in one
-  GIL-free call (``pages.HostPages``).
+  GIL-free call (``pages.HostPages``) on ``copy_threads`` threads (default:
+  the process's cores, at most 4).
   A get pins the longest prefix held (promoting from NVMe, fetching from a
   peer or the bucket within ``load_deadline_s``), verified by the sidecar on
   the way in, and reports the rest as misses: SGLang recomputes them.
@@ -86,6 +87,7 @@ class TierstoreStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         self.config = storage_config
         self.settings = StorageSettings.from_extra(storage_config.extra_config)
+        self.copy_threads = self.settings.copy_thread_count()
         self.layout: KVLayout | None = None
         self.pages: HostPages | None = None
         self.stats = StorageStats()
@@ -168,9 +170,10 @@ class TierstoreStorage(HiCacheStorage):
     ) -> list[bool]:
         layout, pages = self._ready()
         starts = _page_starts(host_indices, len(keys), pages.shape.page_size)
+        threads = self.copy_threads
 
         def copy(client: StoreClient, slots: list[int], pages_at: list[int]) -> None:
-            pages.store_runs(client.arena.buf, slots, [starts[i] for i in pages_at])
+            pages.store_runs(client.arena.buf, slots, [starts[i] for i in pages_at], threads)
 
         return self._store(layout, keys, copy)
 
@@ -179,9 +182,10 @@ class TierstoreStorage(HiCacheStorage):
     ) -> list[bool]:
         layout, pages = self._ready()
         starts = _page_starts(host_indices, len(keys), pages.shape.page_size)
+        threads = self.copy_threads
 
         def copy(client: StoreClient, slots: list[int], pages_at: list[int]) -> None:
-            pages.load_runs(client.arena.buf, slots, [starts[i] for i in pages_at])
+            pages.load_runs(client.arena.buf, slots, [starts[i] for i in pages_at], threads)
 
         return self._load(layout, keys, copy)
 
