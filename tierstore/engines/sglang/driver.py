@@ -23,6 +23,10 @@ parallel-state override for one rank. Then, as ``Spec`` asks:
   ``source_layout``, so the backup may have run in another process, on
   another host's sidecar.
 
+With ``keep_warm_s`` the host pools and the sidecar's arena are kept warm
+(``membench``), and with ``memcpy_reps`` plain copies are timed next to
+the run (``membench.time_memcpy``).
+
 Prints one JSON object (``Result``), or a list of them for a list of specs
 (run one after the other in this process). Used by tests/e2e/test_sglang.py and
 bench/sglang.py; not part of the backend SGLang loads.
@@ -41,11 +45,10 @@ from dataclasses import asdict, dataclass, field, fields
 from queue import Empty
 from typing import Any
 
-import numpy as np
 import torch
 
+from tierstore.engines.sglang import membench
 from tierstore.engines.sglang.layout import StorageSettings, host_pages
-from tierstore.memory.memcopy import copy_runs
 
 log = logging.getLogger("tierstore.engines.sglang.driver")
 
@@ -76,6 +79,10 @@ class Spec:
     timeout_s: float = 60.0  # each wait on a controller queue
     memcpy_reps: int = 0  # also time plain copies of the conversation's bytes, this often
     settle_s: float = 0.0  # pause after the backup (the sidecar hashes what it got)
+    # > 0: keep the host pools and the sidecar's arena warm (tierstore.memory.warm:
+    # a byte a page read this often), as pinned memory on a GPU host is. One
+    # thread for the whole driver, from the first spec that asks.
+    keep_warm_s: float = 0.0
     # HiCacheFile: its files' pages dropped from the page cache after the backup,
     # so the prefetch reads the disk (as pages backed up long ago are read).
     cold_files: bool = False
@@ -110,6 +117,7 @@ class Result:
     # driver started and idle since (as old as a sidecar arena populated then).
     aged_memcpy_s: float = 0.0
     aged_idle_s: float = 0.0
+    warm_passes: int = 0  # with keep_warm_s: the KeepWarm's passes so far
     backup_stats: dict[str, Any] = field(default_factory=dict)  # TierstoreStorage.stats
     prefetch_stats: dict[str, Any] = field(default_factory=dict)
 
@@ -155,6 +163,7 @@ class Rank:
         # every page in at start; unpinned here, its pages would be faulted in
         # by the first copies into them: touch them once now, the same.
         self.host.kv_buffer.view(-1).view(torch.uint8).fill_(0)
+        membench.warm_add(self.host.kv_buffer.view(-1).view(torch.uint8).numpy())
         allocator = PagedTokenToKVPoolAllocator(size, ps, dtype, "cpu", self.device, False)
         if spec.backend == "tierstore":
             backend = "dynamic"
@@ -297,60 +306,13 @@ def compare(
     return pages, equal, first_bad
 
 
-def time_memcpy(
-    num_bytes: int, reps: int, run_bytes: int, threads: int
-) -> tuple[list[float], list[float], float, float]:
-    """Seconds of each of ``reps`` copies of ``num_bytes`` between two touched
-    host buffers, two ways: torch's copy (on torch's threads), and
-    ``copy_runs`` in the backend's runs of ``run_bytes`` on the backend's
-    ``threads``; then of one copy of the same bytes, the faster way, into the
-    next of the idle buffers ``prepare_aged`` wrote, with how long it sat
-    idle (0, 0 when none is left)."""
-    src = torch.ones(num_bytes, dtype=torch.uint8)
-    dst = torch.zeros(num_bytes, dtype=torch.uint8)
-    offsets = np.arange(num_bytes // run_bytes, dtype=np.int64) * run_bytes
-    s_np, d_np = src.numpy(), dst.numpy()
-
-    def by_torch(out: torch.Tensor) -> None:
-        out.copy_(src)
-
-    def by_runs(out: torch.Tensor) -> None:
-        copy_runs(out.numpy(), s_np, offsets, offsets, run_bytes, threads)
-
-    by_torch(dst)
-    copy_runs(d_np, s_np, offsets, offsets, run_bytes, threads)
-    torch_s: list[float] = []
-    runs_s: list[float] = []
-    for _ in range(reps):  # interleaved, so that both meet the same machine
-        for how, times in ((by_torch, torch_s), (by_runs, runs_s)):
-            t0 = time.perf_counter()
-            how(dst)
-            times.append(time.perf_counter() - t0)
-    aged_s = idle_s = 0.0
-    if _AGED and _AGED[0][0].numel() == num_bytes:
-        aged, written = _AGED.pop(0)
-        idle_s = time.monotonic() - written
-        faster = by_runs if min(runs_s) < min(torch_s) else by_torch
-        t0 = time.perf_counter()
-        faster(aged)
-        aged_s = time.perf_counter() - t0
-    return torch_s, runs_s, aged_s, idle_s
-
-
-# Buffers written once when the driver starts and each copied into once,
-# later (time_memcpy): on a VM where idle memory is slow to touch again, memory as
-# old as a sidecar arena populated at its start is written about half as
-# fast the first time, which a copy between touched buffers never shows.
-_AGED: list[tuple[torch.Tensor, float]] = []
-
-
-def prepare_aged(specs: list[Spec]) -> None:
-    """One idle buffer of the conversation's bytes per spec that times memcpy."""
-    for spec in specs:
-        if spec.memcpy_reps > 0 and not spec.mla:
-            per_token = 2 * spec.layers * spec.heads * spec.head_dim  # K and V
-            n = per_token * getattr(torch, spec.dtype).itemsize * spec.page_size * spec.pages
-            _AGED.append((torch.ones(n, dtype=torch.uint8), time.monotonic()))
+def _aged_bytes(spec: Spec) -> int:
+    """The conversation's bytes, for a spec that times memcpy (else 0): worked
+    out from the spec, as the aged buffers are made before any pool exists."""
+    if spec.memcpy_reps <= 0 or spec.mla:
+        return 0
+    per_token = 2 * spec.layers * spec.heads * spec.head_dim  # K and V
+    return per_token * getattr(torch, spec.dtype).itemsize * spec.page_size * spec.pages
 
 
 _SESSIONS: dict[str, tuple[Rank, Rank]] = {}
@@ -417,7 +379,7 @@ def _run(
         threads = StorageSettings.from_extra(spec.settings).copy_thread_count()
         result.copy_threads = threads
         (result.memcpy_s, result.copy_runs_s, result.aged_memcpy_s,
-         result.aged_idle_s) = time_memcpy(
+         result.aged_idle_s) = membench.time_memcpy(
             result.page_bytes * spec.pages, spec.memcpy_reps, run_bytes, threads
         )  # fmt: skip
     # The pages the backup wrote: the first alloc of a fresh pool, in this
@@ -460,6 +422,7 @@ def _drop_cached(directory: str) -> None:
 
 
 def close_sessions() -> None:
+    membench.warm_close()
     for source, reader in _SESSIONS.values():
         source.close()
         reader.close()
@@ -481,8 +444,16 @@ def main(argv: list[str] | None = None) -> int:
     # One after the other in this process (SGLang imports once), each with
     # pools and a controller of its own.
     try:
-        prepare_aged([Spec(**one) for one in specs])
-        results = [asdict(run(Spec(**one))) for one in specs]
+        membench.prepare_aged([_aged_bytes(Spec(**one)) for one in specs])
+        results = []
+        for one in specs:
+            spec = Spec(**one)
+            if spec.keep_warm_s > 0:
+                arena_socket = spec.socket_path if spec.backend == "tierstore" else None
+                membench.keep_warm(spec.keep_warm_s, arena_socket)
+            result = run(spec)
+            result.warm_passes = membench.warm_passes()
+            results.append(asdict(result))
     finally:
         close_sessions()
     print(json.dumps(results if isinstance(raw, list) else results[0]), flush=True)
