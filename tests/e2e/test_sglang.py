@@ -99,14 +99,25 @@ LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 CASES = [(layout, v1) for layout in LAYOUTS for v1 in (True, False)]
 
 
+# The v1 path with pages big enough for its copies to run on helper threads
+# (1 MiB blocks, 8 pages: two threads), the driver keeping the host pools and
+# the arena warm and timing its plain copies, as bench/sglang.py does.
+THREADED = ("threaded", True)
+THREADED_SPEC = dict(layout="page_first_direct", interface_v1=True, layers=4, heads=8,
+                     head_dim=128, page_size=64, settings={"copy_threads": 2},
+                     keep_warm_s=0.05, memcpy_reps=1)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def round_trips(sglang_python: Path, sidecar: SidecarProcess) -> dict[tuple[str, bool], Any]:
-    """Backup then prefetch, each layout on each path, in one driver run."""
+    """Backup then prefetch, each layout on each path, in one driver run;
+    the threaded case last (memory is kept warm from its spec on)."""
     specs = [
         spec(sidecar.socket, layout=layout, interface_v1=v1, seed=100 + i)
         for i, (layout, v1) in enumerate(CASES)
     ]
-    return dict(zip(CASES, drive_all(sglang_python, specs)))
+    specs.append(spec(sidecar.socket, seed=200, **THREADED_SPEC))
+    return dict(zip([*CASES, THREADED], drive_all(sglang_python, specs)))
 
 
 @pytest.mark.parametrize("interface_v1", [True, False], ids=["v1", "generic"])
@@ -120,6 +131,17 @@ def test_backup_then_prefetch_is_byte_exact(
     _all_equal(r)
     assert r["prefetch_stats"]["loaded_pages"] == PAGES
     assert r["prefetch_stats"]["hit_tiers"] == {"dram": PAGES}
+
+
+def test_v1_copies_on_threads_with_memory_kept_warm(round_trips: dict[Any, Any]) -> None:
+    r = round_trips[THREADED]
+    assert r["page_bytes"] == 1 << 20 and r["copy_threads"] == 2
+    assert r["backup_tokens"] == PAGES * 64
+    assert r["prefetched_tokens"] == PAGES * 64
+    assert r["pages_compared"] == PAGES
+    assert r["pages_equal"] == PAGES, f"page {r['first_unequal']} differs"
+    assert r["warm_passes"] > 0  # the pools and the arena were read while it ran
+    assert len(r["memcpy_s"]) == len(r["copy_runs_s"]) == 1 and r["aged_memcpy_s"] > 0
 
 
 def test_pages_move_between_layouts_and_paths_and_the_oracle_sees_wrong_bytes(
