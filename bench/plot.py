@@ -5,6 +5,8 @@
     python bench/switch.py --simulate --json > sim.json
     python bench/vllm.py --json > vllm.json
     python bench/scale.py --json > scale.json
+    python bench/sglang.py --json > sglang.json   (--copy-threads 1, --keep-warm-s 5 for the others)
+    python bench/plot.py --sglang sglang*.json ...
     python bench/plot.py --ttft ttft.json --peer peer.json --routing sim.json --vllm vllm.json \
         --scale scale.json --out docs/img
 
@@ -217,6 +219,36 @@ def plot_rules(data: dict, out: Path) -> None:
     fig.savefig(out / "replication_rules.png")
 
 
+def plot_sglang(datas: list[dict], out: Path) -> None:
+    """Each bench/sglang.py run's tierstore v1 rounds, backup and prefetch,
+    coloured by mode (copy threads, memory kept warm), with half of memcpy."""
+    fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8), dpi=120, sharey=True)
+    styles = {"warm": ("#55a868", "2 threads, memory kept warm"),
+              "two": ("#4c72b0", "2 threads"), "one": ("#dd8452", "1 thread")}  # fmt: skip
+    shown: set[str] = set()
+    for d in datas:
+        mode = "warm" if d.get("keep_warm_s") else "one" if d["copy_threads"] == 1 else "two"
+        color, label = styles[mode]
+        for ax, step in zip(axes, ("backup", "prefetch")):
+            runs = d["runs"]["tierstore"][step]
+            ax.plot(range(1, len(runs) + 1), runs, "o-", color=color, alpha=0.8, ms=3,
+                    label=None if mode in shown else label)  # fmt: skip
+        shown.add(mode)
+    limits = [d["memcpy_gbps"] for d in datas if d["copy_threads"] > 1]
+    for ax, step in zip(axes, ("backup", "prefetch")):
+        if limits:
+            half = 0.5 * sorted(limits)[len(limits) // 2]
+            ax.axhline(half, color="#999", ls="--", lw=1, label="0.5 of memcpy (2 threads)")
+        ax.set_title(f"{step} through SGLang's controller")
+        ax.set_xlabel("round (one 256 MiB conversation each)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[1].legend(fontsize=8)
+    fig.suptitle("SGLang HiCache L3, tierstore v1 path, 8B KV shape, 2-core VM")
+    fig.tight_layout()
+    fig.savefig(out / "sglang_rounds.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ttft", type=Path)
@@ -226,6 +258,7 @@ def main() -> None:
     parser.add_argument("--vllm-name", default="vllm_ttft.png", help="the vLLM chart's file")
     parser.add_argument("--scale", type=Path, help="bench/scale.py --json output")
     parser.add_argument("--rules", type=Path, help="bench/switch.py --simulate --json output")
+    parser.add_argument("--sglang", type=Path, nargs="+", help="bench/sglang.py --json output(s)")
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -241,6 +274,8 @@ def main() -> None:
         plot_scale(json.loads(args.scale.read_text()), args.out)
     if args.rules:
         plot_rules(json.loads(args.rules.read_text()), args.out)
+    if args.sglang:
+        plot_sglang([json.loads(f.read_text()) for f in args.sglang], args.out)
 
 
 if __name__ == "__main__":

@@ -46,13 +46,13 @@
  * On Intel CPUs with AVX-512 the loop is stream_copy_pages512 instead: the
  * four-page loop with 64-byte non-temporal stores. Measured on the 2-core
  * Sapphire Rapids VM of 2026-12-03, 256 MiB in 64 runs of 4 MiB between two
- * private buffers (best of 4): glibc's memcpy 6.9-7.2 GB/s (ordinary stores
+ * private buffers (best of 4): glibc's memcpy 6.8-7.2 GB/s (ordinary stores
  * below its non-temporal threshold), rep movsb 7.0-7.2, the forward loop
  * with 32-byte stores (stream_copy_avx2) 9.6-10.1, with 64-byte ones
- * 9.9-10.0, the four-page loop with 32-byte stores 11.7-12.4, with 64-byte
- * ones 12.9-13.3. There one thread does not reach the memory bandwidth: two
- * threads, each on half the runs, gave 13.1-13.5 (memcpy), 17.9-19.8 (the
- * forward loops) and 23.1-25.1 (the four-page loop, 64-byte stores). Hence
+ * 9.8-10.0, the four-page loop with 32-byte stores 11.7-12.0, with 64-byte
+ * ones 12.9. There one thread does not reach the memory bandwidth: two
+ * threads, each on half the runs, gave 13.1-13.8 (memcpy), 17.9-19.3 (the
+ * forward loops) and 23.1-24.4 (the four-page loop, 64-byte stores). Hence
  * copy_runs' threads argument: the runs cut into 2 MiB pieces that the
  * caller and helper threads take in turn.
  */
