@@ -116,18 +116,24 @@ static void stream_copy(char *dst, const char *src, size_t n)
 #define PAGES_PREFETCH_AHEAD 128
 #endif
 
+/* Copy the head up to the destination's next 64-byte line with memcpy and
+ * advance past it, so that the loops' non-temporal stores fill whole lines:
+ * one that fills part of a line is flushed as a partial write (half the
+ * speed out of the arena into a buffer 16 bytes past a line boundary). */
+static inline void line_align(char **dst, const char **src, size_t *n)
+{
+    size_t head = (64 - ((uintptr_t)*dst & 63)) & 63;
+    if (head > *n)
+        head = *n;
+    memcpy(*dst, *src, head);
+    *dst += head;
+    *src += head;
+    *n -= head;
+}
+
 static void stream_copy_pages(char *dst, const char *src, size_t n)
 {
-    /* Whole 64-byte lines of the destination: a non-temporal store that
-     * fills part of a line is flushed as a partial write (half the speed
-     * out of the arena into a buffer 16 bytes past a line boundary). */
-    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
-    if (head > n)
-        head = n;
-    memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
+    line_align(&dst, &src, &n);
     const size_t group = PAGE_BYTES * 4;
     size_t done = 0;
     for (; done + group <= n; done += group) {
@@ -191,13 +197,7 @@ static int use_avx2 = 0; /* set at import: the CPU has AVX2 */
 __attribute__((target("avx2"))) static void stream_copy_avx2(char *dst, const char *src,
                                                              size_t n)
 {
-    size_t head = (64 - ((uintptr_t)dst & 63)) & 63; /* whole destination lines, as above */
-    if (head > n)
-        head = n;
-    memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
+    line_align(&dst, &src, &n);
     size_t i = 0;
     for (; i + 128 <= n; i += 128) {
         _mm_prefetch(src + i + AVX2_PREFETCH_AHEAD, _MM_HINT_T0);
@@ -224,13 +224,7 @@ static int use_pages512 = 0; /* set at import: an Intel CPU with AVX-512F */
 __attribute__((target("avx512f"))) static void stream_copy_pages512(char *dst, const char *src,
                                                                     size_t n)
 {
-    size_t head = (64 - ((uintptr_t)dst & 63)) & 63; /* whole destination lines, as above */
-    if (head > n)
-        head = n;
-    memcpy(dst, src, head);
-    dst += head;
-    src += head;
-    n -= head;
+    line_align(&dst, &src, &n);
     const size_t group = PAGE_BYTES * 4;
     size_t done = 0;
     for (; done + group <= n; done += group) {
