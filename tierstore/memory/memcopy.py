@@ -40,8 +40,10 @@ except ImportError:  # pragma: no cover - exercised by the fallback test
 
 try:
     from tierstore.memory._fastcopy import RUNS_LOOP as _C_RUNS_LOOP
+    from tierstore.memory._fastcopy import set_runs_loop as _c_set_runs_loop
 except ImportError:  # pragma: no cover - an extension built before the choice was exported
     _C_RUNS_LOOP = ""
+    _c_set_runs_loop = None
 
 STREAMING = bool(_c_copy is not None and _C_STREAMING)
 """True when large copies use non-temporal stores."""
@@ -61,11 +63,9 @@ def set_runs_loop(name: str) -> str:
     runs. Raises ValueError for a loop this CPU cannot run, RuntimeError
     without the C extension."""
     global RUNS_LOOP
-    if _c_copy_runs is None:
+    if _c_copy_runs is None or _c_set_runs_loop is None:
         raise RuntimeError("set_runs_loop: the C extension was not built")
-    from tierstore.memory._fastcopy import set_runs_loop as _c_set
-
-    before: str = _c_set(name)
+    before: str = _c_set_runs_loop(name)
     RUNS_LOOP = name
     return before
 
@@ -111,13 +111,14 @@ def copy_runs(
     _numpy_copy_runs(dst, src, d_off, s_off, nbytes)
 
 
-def _flat_bytes(buf: Any) -> np.ndarray:
+def flat_bytes(buf: Any) -> np.ndarray:
+    """``buf`` (a numpy array or any buffer) as a flat uint8 array, no copy."""
     a = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
     return a.reshape(-1).view(np.uint8)
 
 
 def _numpy_copy_runs(dst: Any, src: Any, d_off: np.ndarray, s_off: np.ndarray, nbytes: int) -> None:
-    d, s = _flat_bytes(dst), _flat_bytes(src)
+    d, s = flat_bytes(dst), flat_bytes(src)
     if len(d_off) != len(s_off):
         raise ValueError(
             f"copy_runs: {len(d_off)} destination offsets, {len(s_off)} source offsets"

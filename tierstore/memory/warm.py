@@ -22,14 +22,15 @@ from typing import Any
 
 import numpy as np
 
+from tierstore.memory.memcopy import flat_bytes
+
 PAGE_BYTES = 4096
 
 
 def touch(buf: Any, page_bytes: int = PAGE_BYTES) -> int:
     """Read one byte of every page of ``buf`` (a buffer); returns their sum,
     so that the reads cannot be left out."""
-    flat = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
-    return int(flat.reshape(-1).view(np.uint8)[::page_bytes].sum(dtype=np.uint64))
+    return int(flat_bytes(buf)[::page_bytes].sum(dtype=np.uint64))
 
 
 class KeepWarm:
