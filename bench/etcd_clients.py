@@ -205,10 +205,10 @@ def _watch_thread(
 
 
 class OwnProbe:
-    """tierstore.peer.etcd.EtcdClient, as the sidecars use it."""
+    """tierstore.membership.etcd_client.EtcdClient, as the sidecars use it."""
 
     def __init__(self, endpoint: str) -> None:
-        from tierstore.peer.etcd import EtcdAuth, EtcdClient
+        from tierstore.membership.etcd_client import EtcdAuth, EtcdClient
 
         self.c = EtcdClient(EtcdAuth(endpoints=(endpoint,)), timeout_s=2.0)
 
@@ -403,7 +403,7 @@ def _pins() -> dict[str, str]:
 
 
 def seed_range(endpoint: str) -> None:
-    from tierstore.peer.etcd import EtcdAuth, EtcdClient
+    from tierstore.membership.etcd_client import EtcdAuth, EtcdClient
 
     c = EtcdClient(EtcdAuth(endpoints=(endpoint,)), timeout_s=2.0)
     try:

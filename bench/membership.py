@@ -44,7 +44,7 @@ from tests.integration.etcd import EtcdProcess, etcd_binary
 from tests.integration.sidecar import free_port
 from tierstore.client import StoreClient
 from tierstore.keys import KVLayout, chain_keys
-from tierstore.peer.etcd import EtcdAuth, EtcdClient
+from tierstore.membership.etcd_client import EtcdAuth, EtcdClient
 from tierstore.policies import rendezvous_target
 
 LAYOUT = KVLayout("bench-membership", 1, 1, 64, "float16", 16)

@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tierstore.config import RemoteConfig, StoreConfig
 from tierstore.keys import KVLayout, chain_keys
-from tierstore.store import remote_format as fmt
+from tierstore.store.remote import format as fmt
 from tierstore.store.tiered import TieredStore
 
 BIG = KVLayout("bench-remote", 8, 8, 128, "float16", 64)  # 2 MiB blocks
@@ -101,7 +101,7 @@ def raw_store(cfg: RemoteConfig) -> tuple[Any, str]:
     """An obstore ``S3Store`` with the client options the tier's own has."""
     from obstore.store import S3Store
 
-    from tierstore.store.remote_client import parse_remote_url, read_credentials_file
+    from tierstore.store.remote.client import parse_remote_url, read_credentials_file
 
     bucket, prefix = parse_remote_url(cfg.remote_url)
     kwargs: dict[str, Any] = {}

@@ -42,8 +42,8 @@ from common import GB, emit, memcpy_gbps, ratio, raw_disk_gbps, raw_disk_once, s
 from tierstore.config import StoreConfig
 from tierstore.keys import KVLayout, chain_keys
 from tierstore.memory.arena import Arena
+from tierstore.store.nvme.writer import BATCH_BYTES
 from tierstore.store.tiered import TieredStore
-from tierstore.store.writer import BATCH_BYTES
 
 LAYOUT = KVLayout("bench-restart", 16, 8, 128, "float16", 16)  # 1 MiB blocks
 

@@ -69,7 +69,7 @@ from common import emit  # noqa: E402
 from tierstore.config import StoreConfig  # noqa: E402
 from tierstore.keys import BlockKey, KVLayout  # noqa: E402
 from tierstore.store import TieredStore  # noqa: E402
-from tierstore.store.nvme import block_digest  # noqa: E402
+from tierstore.store.nvme.tier import block_digest  # noqa: E402
 
 LAYOUT = KVLayout("scale", 1, 1, 64, "float16", 16)  # 4 KiB blocks
 BB = LAYOUT.block_bytes

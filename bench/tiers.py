@@ -63,7 +63,7 @@ from common import (
 from tierstore.config import StoreConfig
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.memory.memcopy import STREAMING, copy_into
-from tierstore.store.nvme import NvmeTier
+from tierstore.store.nvme.tier import NvmeTier
 from tierstore.store.tiered import TieredStore
 
 # 2 MiB blocks: 2 x 32 layers x 8 KV heads x 128 dim x 16 tokens x bf16.

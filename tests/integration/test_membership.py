@@ -31,8 +31,8 @@ import torch
 from tierstore.client import StoreClient
 from tierstore.config import PeerConfig, RouterConfig, parse_membership
 from tierstore.keys import BlockKey, chain_keys
-from tierstore.peer.etcd import EtcdAuth, EtcdClient
-from tierstore.peer.membership import decode_member
+from tierstore.membership.etcd_client import EtcdAuth, EtcdClient
+from tierstore.membership.members import decode_member
 from tierstore.policies import rendezvous_target
 from tierstore.router.router import Router
 from tierstore.v1 import router_pb2, router_pb2_grpc

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tierstore.config import PeerConfig
-from tierstore.peer.etcd_members import EtcdMembers, describe_host
+from tierstore.membership.etcd import EtcdMembers, describe_host
 
 from ..conftest import SMALL_LAYOUT
 from .etcd import SKIP_REASON, EtcdProcess, etcd_binary

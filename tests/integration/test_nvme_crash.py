@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from tierstore.errors import StorageError
-from tierstore.store.nvme import NvmeTier
+from tierstore.store.nvme.tier import NvmeTier
 
 REPO = Path(__file__).resolve().parents[2]
 CAPACITY = 2 << 20
@@ -38,7 +38,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from tierstore.store.nvme import NvmeTier
+    from tierstore.store.nvme.tier import NvmeTier
 
     root, first = sys.argv[1], int(sys.argv[2])
     tier = NvmeTier(root, {capacity}, segment_bytes={segment})
@@ -145,6 +145,6 @@ def test_sigkill_never_leaves_a_bad_block(tmp_path: Path, caplog: pytest.LogCapt
         finally:
             writer.kill()
         assert writer.proc.returncode == -signal.SIGKILL
-        with caplog.at_level(logging.WARNING, logger="tierstore.store.nvme"):
+        with caplog.at_level(logging.WARNING, logger="tierstore.store.nvme.tier"):
             assert check_every_block(root) > 0
         assert "dropped" not in caplog.text  # no row pointed outside its data file

@@ -10,7 +10,7 @@ stay truthful (a key looked up as held loads byte-exact, one looked up as
 missing does not load), nothing is served wrong, and an unwritable directory
 is refused at start with a message naming it. Each fault leaves its log line
 in the sidecar's log (rate-limited: one per kind every 10 s): the failed NVMe
-write with its error and the store's failed spill (tierstore/store/nvme_batch.py
+write with its error and the store's failed spill (tierstore/store/nvme/batch.py
 ``write_and_hash``, tierstore/store/demoter.py ``_spill``), and a block that failed
 blake3 or could not be read in full, with its offset and file (nvme.py
 ``_drop_failed``).

@@ -52,9 +52,14 @@ def test_the_router_loads_only_the_peer_client_auth_and_membership() -> None:
     assert "lmdb" not in mods
     assert not {m for m in mods if m.startswith(("tierstore.store", "tierstore.sidecar"))}
     peer = {m for m in mods if m.startswith("tierstore.peer.")}
-    allowed = {"tierstore.peer.client", "tierstore.peer.auth", "tierstore.peer.membership",
-               "tierstore.peer.etcd", "tierstore.peer.etcd_members"}  # fmt: skip
-    assert peer <= allowed, peer
+    assert peer <= {"tierstore.peer.client", "tierstore.peer.clients", "tierstore.peer.auth"}, peer
+
+
+def test_membership_loads_nothing_of_the_peer_tier_store_or_sidecar() -> None:
+    mods = loaded_by("import tierstore.membership.etcd, tierstore.membership.members")
+    assert "lmdb" not in mods
+    assert not {m for m in mods if m.startswith(("tierstore.store", "tierstore.sidecar"))}
+    assert not {m for m in mods if m.startswith(("tierstore.peer", "tierstore.router"))}
 
 
 def _module_name(path: Path) -> str:

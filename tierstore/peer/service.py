@@ -26,9 +26,9 @@ from tierstore import __version__
 from tierstore.config import PeerConfig
 from tierstore.errors import TierstoreError
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, unpack_keys
+from tierstore.membership.etcd import EtcdMembers, describe_host
 from tierstore.peer.auth import TokenAuth, is_loopback, server_ssl_context
 from tierstore.peer.data import DataServer
-from tierstore.peer.etcd_members import EtcdMembers, describe_host
 from tierstore.peer.tier import PeerTier
 from tierstore.sidecar.loadboard import LoadBoard
 from tierstore.store.tiered import TieredStore

@@ -35,10 +35,11 @@ import grpc
 from tierstore.config import PeerConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
+from tierstore.membership.members import MemberSet, StaticMembers
 from tierstore.peer import codec
 from tierstore.peer.client import PeerClient
+from tierstore.peer.clients import PeerClients
 from tierstore.peer.data import ReceiveResult, Verifier, receive_blocks
-from tierstore.peer.membership import MemberSet, PeerClients, StaticMembers
 from tierstore.peer.pushq import PushQueue
 from tierstore.peer.stream import STREAM_COUNTERS, ReplicaStreamer
 from tierstore.policies import ReplicaRequest, make_replication_policy, rendezvous_target

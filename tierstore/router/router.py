@@ -34,9 +34,10 @@ from tierstore.config import PeerConfig, RouterConfig
 from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.load import HostLoadView
+from tierstore.membership.etcd import EtcdMembers
+from tierstore.membership.members import MemberSet, StaticMembers
 from tierstore.peer.client import PeerClient
-from tierstore.peer.etcd_members import EtcdMembers
-from tierstore.peer.membership import MemberSet, PeerClients, StaticMembers
+from tierstore.peer.clients import PeerClients
 from tierstore.router.cost import HostView, Plan, Rates, plan
 from tierstore.router.engine_events import (
     EngineIndex,

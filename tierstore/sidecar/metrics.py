@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from tierstore.errors import TierstoreError
-from tierstore.store.remote import GAUGES as REMOTE_GAUGES
+from tierstore.store.remote.tier import GAUGES as REMOTE_GAUGES
 from tierstore.store.tiered import STORE_GAUGES
 
 if TYPE_CHECKING:

@@ -3,13 +3,16 @@
 ``tiered`` (``TieredStore``: the only module that knows more than one tier)
 and what it is built from (``build``): ``promoter`` (NVMe -> DRAM promotion
 with several reads in flight), ``demoter`` (DRAM's victims and their spill),
-``writer`` (write-through to NVMe, drain), ``hasher`` and ``digests`` (each
-block hashed once), ``base`` (the tier protocol), one module per tier
-(``dram``; ``nvme`` with ``nvme_index``, ``nvme_batch`` and ``blockfile``;
-``remote`` with ``remote_format``, ``remote_client``, ``remote_upload``,
-``remote_gc``, ``remote_cache``, ``remote_pull`` and ``remote_source``), the
-``replicas`` ledger, the ``events`` log of tier changes, ``stat``, and small
-types (``layouts``, ``buffers``, ``results``).
+``hasher`` and ``digests`` (each block hashed once), ``base`` (the tier
+protocol), the DRAM tier (``dram``), the ``replicas`` ledger, the ``events``
+log of tier changes, ``stat``, and small types (``layouts``, ``buffers``,
+``results``). The two tiers below DRAM are folders, each opened by a
+docstring that names the seam the rest of the store uses:
+
+- ``nvme/``: the NVMe tier (``tier``, ``index``, ``batch``, ``blockfile``)
+  and the write-through ``writer``;
+- ``remote/``: the S3 tier (``tier``, ``client``, ``upload``, ``turns``,
+  ``pull``, ``gc``, ``cache``, ``format``, ``source``).
 
 Runs in the sidecar process only; engines never import it (it pulls lmdb).
 """

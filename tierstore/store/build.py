@@ -49,12 +49,12 @@ from tierstore.store.digests import BlockDigests
 from tierstore.store.dram import DramTier
 from tierstore.store.events import BlockEventLog
 from tierstore.store.hasher import CommitHasher
-from tierstore.store.nvme import NvmeTier
+from tierstore.store.nvme.tier import NvmeTier
+from tierstore.store.nvme.writer import NvmeWriter
 from tierstore.store.promoter import Promoter
-from tierstore.store.remote import RemoteTier
-from tierstore.store.remote_source import HeldBlockSource
+from tierstore.store.remote.source import HeldBlockSource
+from tierstore.store.remote.tier import RemoteTier
 from tierstore.store.replicas import ReplicaLedger
-from tierstore.store.writer import NvmeWriter
 from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from tierstore.keys import BlockKey
 from tierstore.policies import AdmissionPolicy, ReplicaRetention
 from tierstore.ratelog import RateLimitedLog
 from tierstore.store.dram import DramEntry, DramTier
-from tierstore.store.nvme import NvmeTier
-from tierstore.store.remote import RemoteTier
+from tierstore.store.nvme.tier import NvmeTier
+from tierstore.store.remote.tier import RemoteTier
 from tierstore.store.replicas import ReplicaLedger
 from tierstore.workers import Workers
 

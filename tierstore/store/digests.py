@@ -20,7 +20,7 @@ import blake3
 
 from tierstore.counters import Counters
 from tierstore.store.dram import DramEntry, DramTier
-from tierstore.store.nvme import block_digest
+from tierstore.store.nvme.tier import block_digest
 
 # blake3 passes over DRAM blocks (hash once: one per block)
 DIGEST_COUNTERS = ("digests_computed",)

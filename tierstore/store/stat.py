@@ -17,9 +17,9 @@ from typing import Any
 from tierstore.counters import Counters
 from tierstore.memory.arena import Arena
 from tierstore.store.base import Tier
-from tierstore.store.nvme import NVME_GAUGES, NvmeTier
-from tierstore.store.remote import RemoteTier
-from tierstore.store.writer import WRITER_GAUGES, DrainReport, NvmeWriter
+from tierstore.store.nvme.tier import NVME_GAUGES, NvmeTier
+from tierstore.store.nvme.writer import WRITER_GAUGES, DrainReport, NvmeWriter
+from tierstore.store.remote.tier import RemoteTier
 from tierstore.tiers import TierName, TierStats
 
 # stat()["store"] figures that go down too (gauges for /metrics).

@@ -10,10 +10,10 @@ explicitly and never reach into the store's privates (``replicas``: replica
 room, given the store's public ``held`` / ``drop``; ``stat``: the figures;
 ``digests``, ``layouts``, ``buffers``, ``results``).
 
-The remote tier (``tierstore.store.remote``, when ``remote_url`` is set)
+The remote tier (``tierstore.store.remote.tier``, when ``remote_url`` is set)
 hangs off ``self.remote`` and is touched in few places, each marked
 "remote tier": victims leaving DRAM are offered to it by the demoter; its
-write-through reads held blocks through ``tierstore.store.remote_source``;
+write-through reads held blocks through ``tierstore.store.remote.source``;
 ``lookup_remote`` / ``pull_remote`` / ``end_turn_remote`` are what the
 services call after the local tiers and peers; ``stat`` and ``close``.
 
@@ -21,7 +21,7 @@ Threads: any number of caller threads; one background *demoter* thread that
 spills least-valuable DRAM blocks to NVMe once DRAM usage passes the high
 watermark, until it is under the low one (``tierstore.store.demoter``: the
 victims, the spill, the thread). A caller that finds DRAM full evicts
-synchronously. With a write-through policy, ``tierstore.store.writer``
+synchronously. With a write-through policy, ``tierstore.store.nvme.writer``
 also copies chosen blocks to NVMe soon after their commit (its own worker),
 and ``drain`` writes what is DRAM-only on a graceful stop. Eviction is
 serialised by one lock; promotion from NVMe (several reads in flight,
@@ -50,15 +50,15 @@ from tierstore.store.digests import DIGEST_COUNTERS
 from tierstore.store.dram import STORE_OWNER, DramEntry, ReserveStatus
 from tierstore.store.hasher import HASHER_COUNTERS
 from tierstore.store.layouts import LayoutRegistry
-from tierstore.store.nvme import NvmeTier
+from tierstore.store.nvme.tier import NvmeTier
+from tierstore.store.nvme.writer import DrainReport, drain
 from tierstore.store.promoter import PROMOTER_COUNTERS
-from tierstore.store.remote_pull import pull_prefix
-from tierstore.store.remote_turns import Durability
+from tierstore.store.remote.pull import pull_prefix
+from tierstore.store.remote.turns import Durability
 from tierstore.store.replicas import make_replica_room, prune_gone
 from tierstore.store.results import LookupResult, Reservation
 from tierstore.store.stat import STORE_GAUGES as STORE_GAUGES  # re-exported (/metrics)
 from tierstore.store.stat import store_stat
-from tierstore.store.writer import DrainReport, drain
 from tierstore.tiers import TIER_CODES, TierName
 from tierstore.workers import Workers
 
@@ -470,7 +470,7 @@ class TieredStore:
     def drain(self, budget_s: float) -> DrainReport:
         """Graceful stop: stop write-through, then write DRAM-only blocks to
         NVMe, most recently used first, for at most ``budget_s`` (see
-        ``tierstore.store.writer.drain``). Logs one line, keeps the report in
+        ``tierstore.store.nvme.writer.drain``). Logs one line, keeps the report in
         the NVMe directory (the next start shows it) and returns it."""
         if self.writer is not None:
             self.writer.close()

@@ -17,7 +17,7 @@ from tierstore.keys import chain_keys
 from tierstore.memory.arena import Arena
 from tierstore.peer import codec
 from tierstore.peer.data import Verifier, receive_blocks
-from tierstore.store.nvme import NvmeTier
+from tierstore.store.nvme.tier import NvmeTier
 from tierstore.store.tiered import TieredStore
 
 from ...conftest import SMALL_LAYOUT

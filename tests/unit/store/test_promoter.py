@@ -10,14 +10,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from tests.conftest import SMALL_LAYOUT
+from tests.unit.store.fakes import FakeNvme
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, chain_keys
 from tierstore.memory.arena import Arena
 from tierstore.store.dram import DramEntry, DramTier
 from tierstore.store.promoter import PROMOTER_COUNTERS, Promoter
-
-from ...conftest import SMALL_LAYOUT
-from .fakes import FakeNvme
 
 L = SMALL_LAYOUT
 SLOTS = 32

@@ -14,7 +14,7 @@ from tierstore.config import StoreConfig
 from tierstore.keys import BlockKey, chain_keys
 from tierstore.memory.arena import Arena
 from tierstore.store.dram import ReserveStatus
-from tierstore.store.nvme import NvmeTier
+from tierstore.store.nvme.tier import NvmeTier
 from tierstore.store.tiered import TieredStore
 from tierstore.tiers import TIER_CODES, TierName
 

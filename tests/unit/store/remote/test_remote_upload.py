@@ -14,9 +14,9 @@ from tests.conftest import SMALL_LAYOUT
 from tierstore.config import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, chain_keys
-from tierstore.store.remote_cache import Answers, LastUse
-from tierstore.store.remote_client import RemoteClient
-from tierstore.store.remote_upload import UPLOAD_COUNTERS, RemoteUploader
+from tierstore.store.remote.cache import Answers, LastUse
+from tierstore.store.remote.client import RemoteClient
+from tierstore.store.remote.upload import UPLOAD_COUNTERS, RemoteUploader
 from tierstore.workers import Workers
 
 WAIT_S = 10.0

@@ -46,9 +46,9 @@ import lmdb
 from tierstore.errors import StorageError
 from tierstore.keys import KEY_BYTES, BlockKey
 from tierstore.memory.slab import SlabAllocator
-from tierstore.store.blockfile import ALIGN_BYTES, BlockFile, round_up
+from tierstore.store.nvme.blockfile import ALIGN_BYTES, BlockFile, round_up
 
-logger = logging.getLogger("tierstore.store.nvme")
+logger = logging.getLogger("tierstore.store.nvme.tier")
 
 FORMAT_VERSION = 1
 _RECORD = struct.Struct("<QQ32s32sd")

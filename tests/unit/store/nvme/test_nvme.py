@@ -28,8 +28,8 @@ from hypothesis.stateful import (
 
 from tierstore.errors import BlockSizeError, KeyFormatError, LayoutError, StorageError
 from tierstore.keys import BlockKey
-from tierstore.store import blockfile
-from tierstore.store.nvme import NvmeTier
+from tierstore.store.nvme import blockfile
+from tierstore.store.nvme.tier import NvmeTier
 from tierstore.tiers import TierName
 
 CAPACITY = 8 << 20
@@ -655,7 +655,7 @@ def test_geometry_change_keeps_recorded_segments(open_tier, tmp_path, caplog) ->
     blocks = {key_of(i): block_of(i, 20_000) for i in range(8)}
     tier.write_many([(k, FP, v) for k, v in blocks.items()])
     tier.close()
-    with caplog.at_level(logging.WARNING, logger="tierstore.store.nvme"):
+    with caplog.at_level(logging.WARNING, logger="tierstore.store.nvme.tier"):
         again = open_tier(segment_bytes=1 << 20)
     assert "segment_bytes=65536" in caplog.text
     assert again.segment_bytes == SEGMENT

@@ -1,6 +1,6 @@
 """The group's live members from etcd: register under a lease, watch the group.
 
-Provides ``EtcdMembers`` (a ``tierstore.peer.membership.MemberSet``) and
+Provides ``EtcdMembers`` (a ``tierstore.membership.members.MemberSet``) and
 ``MEMBERSHIP_COUNTERS``. ``start`` (once the peer port serves) runs two
 worker threads (``tierstore.workers.Workers``):
 
@@ -36,8 +36,8 @@ import grpc
 
 from tierstore.config import MembershipURL, PeerConfig
 from tierstore.counters import Counters
-from tierstore.peer.etcd import EtcdAuth, EtcdClient, WatchStream
-from tierstore.peer.membership import Member, decode_member, diff
+from tierstore.membership.etcd_client import EtcdAuth, EtcdClient, WatchStream
+from tierstore.membership.members import Member, decode_member, diff
 from tierstore.v1 import etcd_rpc_pb2 as pb
 from tierstore.workers import Workers
 

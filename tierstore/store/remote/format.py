@@ -18,7 +18,7 @@ A manifest (kind 2) says "blocks 0..count-1 of the chain that ends at this
 key were all uploaded when it was written"; its payload is the count as a
 u64. Keys are chained hashes, so the key names the whole prefix.
 
-Used by ``tierstore.store.remote`` in the sidecar; callable from any thread.
+Used by ``tierstore.store.remote.tier`` in the sidecar; callable from any thread.
 """
 
 from __future__ import annotations

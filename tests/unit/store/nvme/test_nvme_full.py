@@ -1,6 +1,6 @@
 """The NVMe tier on a full disk: when it looks at the free space again.
 
-A fake clock (``tierstore.store.nvme.time``) and a fake disk (``pwritev``
+A fake clock (``tierstore.store.nvme.tier.time``) and a fake disk (``pwritev``
 raises ENOSPC and ``statvfs`` reports no room while it is full) make the
 schedule exact: the first write ``full_backoff_s`` after the cap looks, then
 after each look the wait doubles to at most 16x; an ENOSPC while capped does
@@ -20,9 +20,9 @@ import blake3
 import pytest
 
 from tierstore.keys import BlockKey
-from tierstore.store import blockfile
-from tierstore.store import nvme as nvme_module
-from tierstore.store.nvme import FULL_BACKOFF_MAX_FACTOR, NvmeTier
+from tierstore.store.nvme import blockfile
+from tierstore.store.nvme import tier as nvme_module
+from tierstore.store.nvme.tier import FULL_BACKOFF_MAX_FACTOR, NvmeTier
 
 FP = bytes(range(32))
 BLOCK_BYTES = 4096

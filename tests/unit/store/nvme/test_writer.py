@@ -10,17 +10,16 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
+from tests.conftest import SMALL_LAYOUT
+from tests.unit.store.fakes import FakeNvme
 from tierstore.keys import BlockKey, chain_keys
 from tierstore.memory.arena import Arena
 from tierstore.policies import WriteThrough, WriteThroughSelective
-from tierstore.store import writer as writer_module
 from tierstore.store.dram import STORE_OWNER, DramTier, ReserveStatus
-from tierstore.store.nvme import NvmeTier
-from tierstore.store.writer import PINNED_SHARE_DIVISOR, NvmeWriter, drain
+from tierstore.store.nvme import writer as writer_module
+from tierstore.store.nvme.tier import NvmeTier
+from tierstore.store.nvme.writer import PINNED_SHARE_DIVISOR, NvmeWriter, drain
 from tierstore.workers import Workers
-
-from ...conftest import SMALL_LAYOUT
-from .fakes import FakeNvme
 
 L = SMALL_LAYOUT
 WAIT_S = 10.0

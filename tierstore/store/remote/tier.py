@@ -6,24 +6,24 @@ Provides ``RemoteTier``:
   in a few round trips (see below), never one per block;
 - ``get(layout_fp, key)`` (a coroutine-backed future) and
   ``verify``: the caller pulls several blocks at once and verifies each
-  (``tierstore.store.remote_pull``);
+  (``tierstore.store.remote.pull``);
 - ``offer``: a block leaving DRAM is copied and uploaded in the background
   (never blocks: when ``remote_upload_queue_bytes`` are queued it is
   skipped and counted); ``end_turn``: a long turn's chain is written
   through by the ``tierstore-remote-writer`` thread, then its manifests;
   ``end_turn_durable``: any turn written through, waited for until the
   bucket acknowledged every block (bounded); ``flush``: wait for all (all
-  four: ``tierstore.store.remote_upload``; the turns not yet durable are
-  counted by ``tierstore.store.remote_turns``);
+  four: ``tierstore.store.remote.upload``; the turns not yet durable are
+  counted by ``tierstore.store.remote.turns``);
 - ``gc_once`` and the ``tierstore-remote-gc`` thread: keep the bucket under
-  ``remote_bytes``, least recently used first (``tierstore.store.remote_gc``,
+  ``remote_bytes``, least recently used first (``tierstore.store.remote.gc``,
   ``tierstore.policies``);
 - ``contains`` / ``remove`` / ``stats`` / ``close`` (``bound(layout_fp)``
   gives the ``tierstore.store.base.Tier`` protocol for one layout).
 
 The uploader and the GC get their collaborators from the tier (the client,
 the counters, the answers cache and last-use record of
-``tierstore.store.remote_cache``; the uploader also the tier's public
+``tierstore.store.remote.cache``; the uploader also the tier's public
 ``contains``), never the tier itself.
 
 Lookup cost: wave 1 sends, at once, a GET of the manifest at every
@@ -58,12 +58,12 @@ from tierstore.config import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.policies import RemotePlacement
-from tierstore.store import remote_format as fmt
-from tierstore.store.remote_cache import Answers, LastUse
-from tierstore.store.remote_client import REQUEST_COUNTERS, ClientClosed, RemoteClient
-from tierstore.store.remote_gc import GC_COUNTERS, RemoteGC
-from tierstore.store.remote_turns import TURN_GAUGES, Durability
-from tierstore.store.remote_upload import UPLOAD_COUNTERS, BlockSource, RemoteUploader
+from tierstore.store.remote import format as fmt
+from tierstore.store.remote.cache import Answers, LastUse
+from tierstore.store.remote.client import REQUEST_COUNTERS, ClientClosed, RemoteClient
+from tierstore.store.remote.gc import GC_COUNTERS, RemoteGC
+from tierstore.store.remote.turns import TURN_GAUGES, Durability
+from tierstore.store.remote.upload import UPLOAD_COUNTERS, BlockSource, RemoteUploader
 from tierstore.tiers import TierName, TierStats
 from tierstore.workers import Workers
 
@@ -351,7 +351,7 @@ class RemoteTier:
         if await self.client.delete([path]):
             self.counters.add("remote_bad_objects_deleted")
 
-    # -- uploads (tierstore.store.remote_upload) ---------------------------------------------
+    # -- uploads (tierstore.store.remote.upload) ---------------------------------------------
 
     def offer(
         self, layout_fp: bytes, key: BlockKey, data: memoryview, digest: bytes | None
@@ -381,7 +381,7 @@ class RemoteTier:
         """Wait until every queued upload and write-through finished; False at the deadline."""
         return self._uploads.flush(timeout_s)
 
-    # -- garbage collection (tierstore.store.remote_gc) --------------------------------------
+    # -- garbage collection (tierstore.store.remote.gc) --------------------------------------
 
     def gc_once(self) -> int:
         """List the bucket's objects under the prefix and delete the least

@@ -69,8 +69,7 @@ from tierstore.keys import BlockKey, check_key
 from tierstore.load import RateMeter
 from tierstore.policies import EvictionPolicy, LruPolicy
 from tierstore.ratelog import RateLimitedLog
-from tierstore.store.blockfile import IO_ERRNOS
-from tierstore.store.nvme_batch import (
+from tierstore.store.nvme.batch import (
     Planned,
     VictimOrder,
     WriteBatch,
@@ -78,7 +77,8 @@ from tierstore.store.nvme_batch import (
     block_hasher,
     write_and_hash,
 )
-from tierstore.store.nvme_index import NvmeEntry, derived_index_reserve_bytes, open_root
+from tierstore.store.nvme.blockfile import IO_ERRNOS
+from tierstore.store.nvme.index import NvmeEntry, derived_index_reserve_bytes, open_root
 from tierstore.tiers import TierName, TierStats
 
 if TYPE_CHECKING:

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey
 from tierstore.policies import RemoteObject, RemotePlacement, remote_gc_victims
-from tierstore.store import remote_format as fmt
-from tierstore.store.remote_client import parse_remote_url, read_credentials_file
+from tierstore.store.remote import format as fmt
+from tierstore.store.remote.client import parse_remote_url, read_credentials_file
 
 FP = bytes(range(32))
 KEY = BlockKey(b"k" * 32)

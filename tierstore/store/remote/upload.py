@@ -1,6 +1,6 @@
 """Moving blocks down to the remote tier: DRAM/NVMe -> bucket.
 
-Provides ``RemoteUploader``, the write side of ``tierstore.store.remote``:
+Provides ``RemoteUploader``, the write side of ``tierstore.store.remote.tier``:
 - ``offer``: a copy of a block leaving DRAM is uploaded in the background
   (never blocks: when ``remote_upload_queue_bytes`` are queued it is
   skipped and counted);
@@ -9,7 +9,7 @@ Provides ``RemoteUploader``, the write side of ``tierstore.store.remote``:
   from the store through ``source``), then a manifest at every checkpoint
   the uploaded prefix reaches; it returns the turn's ``TurnJob``, which a
   durable EndTurn waits on (``write_durable``) and which ``TurnLedger``
-  (``tierstore.store.remote_turns``) counts until the bucket has the turn;
+  (``tierstore.store.remote.turns``) counts until the bucket has the turn;
 - ``flush``: wait for both; ``stop`` / ``join``: refuse new work and end
   the writer.
 
@@ -38,10 +38,10 @@ from collections.abc import Callable, Sequence
 from tierstore.config import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
-from tierstore.store import remote_format as fmt
-from tierstore.store.remote_cache import Answers, LastUse
-from tierstore.store.remote_client import ClientClosed, RemoteClient
-from tierstore.store.remote_turns import TURN_COUNTERS, Durability, TurnJob, TurnLedger
+from tierstore.store.remote import format as fmt
+from tierstore.store.remote.cache import Answers, LastUse
+from tierstore.store.remote.client import ClientClosed, RemoteClient
+from tierstore.store.remote.turns import TURN_COUNTERS, Durability, TurnJob, TurnLedger
 from tierstore.workers import Workers
 
 UPLOAD_COUNTERS = (

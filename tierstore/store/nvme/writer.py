@@ -37,7 +37,7 @@ from tierstore.counters import Counters
 from tierstore.keys import BlockKey
 from tierstore.policies import WritePolicy
 from tierstore.store.dram import DramEntry, DramTier
-from tierstore.store.nvme import NvmeTier
+from tierstore.store.nvme.tier import NvmeTier
 from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ from tierstore.config import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey
 from tierstore.policies import RemoteObject, remote_gc_victims
-from tierstore.store.remote_cache import Answers, LastUse
-from tierstore.store.remote_client import ClientClosed, RemoteClient
+from tierstore.store.remote.cache import Answers, LastUse
+from tierstore.store.remote.client import ClientClosed, RemoteClient
 from tierstore.workers import Workers
 
 GC_COUNTERS = (

@@ -22,8 +22,8 @@ from tests.seaweed import ACCESS_KEY, SECRET_KEY
 from tierstore.config import RemoteConfig, StoreConfig
 from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey, chain_keys
-from tierstore.store import remote_format as fmt
-from tierstore.store.remote import RemoteTier
+from tierstore.store.remote import format as fmt
+from tierstore.store.remote.tier import RemoteTier
 from tierstore.store.tiered import TieredStore
 from tierstore.tiers import TierName
 

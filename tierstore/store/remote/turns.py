@@ -1,7 +1,7 @@
 """Finished turns on their way to the bucket: what a crash would lose now,
 and how long a turn takes from EndTurn to durable.
 
-Provides, for ``tierstore.store.remote_upload``:
+Provides, for ``tierstore.store.remote.upload``:
 - ``TurnJob``: one turn accepted for write-through (its chain, when it was
   accepted, and the future a durable EndTurn waits on);
 - ``TurnLedger``: the turns accepted and not yet durable (the gauges

@@ -4,31 +4,24 @@ Provides:
 - ``MemberSet``: the protocol the peer tier and the router ask for the live
   peer addresses (``addresses``) and a number that changes whenever the set
   does (``version``); ``StaticMembers`` is the configured ``peers`` list
-  (the default, no etcd), ``tierstore.peer.etcd_members.EtcdMembers`` the
+  (the default, no etcd), ``tierstore.membership.etcd.EtcdMembers`` the
   live set from etcd leases;
-- ``PeerClients``: a ``PeerClient`` per live member, made when a member first
-  appears and kept (with its link measurements) if it leaves and returns;
 - ``Member``: the record a sidecar publishes in etcd (group, peer address,
   tiers, capacity, load summary; never a secret), its JSON encoding and
   strict decoding (a malformed record is None: ignored and counted).
 
-Pure except ``PeerClients``, which opens gRPC channels. Thread-safe.
+Pure: no I/O, no gRPC. Thread-safe.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from tierstore.peer.client import PeerClient
-
 RECORD_VERSION = 1
 MAX_RECORD_BYTES = 4096  # a member record is small; a larger value is not ours
-KEPT_CLIENTS = 256  # clients of departed members kept for their return (then closed)
 
 
 class MemberSet(Protocol):
@@ -57,56 +50,6 @@ class StaticMembers:
 
     def close(self) -> None:
         pass
-
-
-class PeerClients:
-    """PeerClients of the live members other than ``exclude`` (this host).
-    ``clients()`` is cheap while the set is unchanged (one version check)."""
-
-    def __init__(
-        self, members: MemberSet, make: Callable[[str], PeerClient], exclude: str = ""
-    ) -> None:
-        self.members = members
-        self._make = make
-        self._exclude = exclude
-        self._lock = threading.Lock()
-        self._known: OrderedDict[str, PeerClient] = OrderedDict()
-        self._current: dict[str, PeerClient] = {}
-        self._version: int | None = None
-
-    def clients(self) -> dict[str, PeerClient]:
-        """address -> client of every live member; do not modify the dict."""
-        version = self.members.version  # read first: a change after it rebuilds next time
-        with self._lock:
-            if version == self._version:
-                return self._current
-            current: dict[str, PeerClient] = {}
-            for addr in self.members.addresses():
-                if addr == self._exclude:
-                    continue
-                client = self._known.get(addr)
-                if client is None:
-                    client = self._known[addr] = self._make(addr)
-                self._known.move_to_end(addr)
-                current[addr] = client
-            # Live members were moved to the end: the oldest beyond the bound
-            # are departed ones, unused for the longest.
-            retired = []
-            while len(self._known) > max(KEPT_CLIENTS, len(current)):
-                retired.append(self._known.popitem(last=False)[1])
-            self._current, self._version = current, version
-        for client in retired:
-            client.close()
-        return current
-
-    def close(self) -> None:
-        with self._lock:
-            clients = list(self._known.values())
-            self._known.clear()
-            self._current = {}
-            self._version = None
-        for c in clients:
-            c.close()
 
 
 @dataclass(frozen=True)

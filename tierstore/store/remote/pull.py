@@ -29,7 +29,7 @@ from tierstore.keys import BlockKey, KVLayout
 from tierstore.memory.arena import Arena
 from tierstore.memory.memcopy import copy_into
 from tierstore.store.dram import STORE_OWNER, DramTier, ReserveStatus
-from tierstore.store.remote import RemoteTier
+from tierstore.store.remote.tier import RemoteTier
 
 
 def pull_prefix(

@@ -17,7 +17,7 @@ cannot register under a lease; etcd3gw (JSON over etcd's HTTP gateway) is 3x
 slower a put and 9x a 300-key range and adds ten packages. These stubs need
 nothing beyond the grpcio and protobuf we already pin.
 
-Used by ``tierstore.peer.etcd_members`` in the sidecar and the router; no
+Used by ``tierstore.membership.etcd`` in the sidecar and the router; no
 store import. Thread-safe: gRPC stubs are, and the endpoint and token state
 is under a lock.
 """

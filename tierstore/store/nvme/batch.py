@@ -13,7 +13,7 @@ Provides, for ``NvmeTier`` (``nvme``):
   ``evict_first`` keys, then the eviction policy's order.
 - ``write_and_hash``: write a batch's bytes to the data file, hashing the
   blocks that came without a digest meanwhile; failures are logged
-  (rate-limited, on the ``tierstore.store.nvme`` logger) and left out.
+  (rate-limited, on the ``tierstore.store.nvme.tier`` logger) and left out.
 
 Runs in the sidecar process, on the thread that calls ``NvmeTier.write_many``
 (``write_and_hash`` under the tier's write lock, with one short-lived hashing
@@ -36,13 +36,13 @@ from tierstore.errors import LayoutError
 from tierstore.keys import BlockKey, check_key
 from tierstore.policies import EvictionPolicy
 from tierstore.ratelog import RateLimitedLog
-from tierstore.store.blockfile import BlockFile
-from tierstore.store.nvme_index import NvmeEntry
+from tierstore.store.nvme.blockfile import BlockFile
+from tierstore.store.nvme.index import NvmeEntry
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
-_faults = RateLimitedLog(logging.getLogger("tierstore.store.nvme"))
+_faults = RateLimitedLog(logging.getLogger("tierstore.store.nvme.tier"))
 
 DIGEST_BYTES = 32
 FINGERPRINT_BYTES = 32

@@ -6,7 +6,7 @@ the upload buffer, from DRAM (pinned for the copy) or else from NVMe (read
 and verified), and returns the block's digest; None when the block is no
 longer held, or is held under another layout or size.
 
-Like the remote puller (``tierstore.store.remote_pull``), it gets its
+Like the remote puller (``tierstore.store.remote.pull``), it gets its
 collaborators explicitly (the DRAM and NVMe tiers and the digest function)
 and never calls back into the store. Runs on the remote tier's upload
 thread.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.memory.memcopy import copy_into
 from tierstore.store.dram import STORE_OWNER, DramEntry, DramTier
-from tierstore.store.nvme import NvmeTier
+from tierstore.store.nvme.tier import NvmeTier
 
 
 class HeldBlockSource:
