@@ -11,14 +11,16 @@ Provides:
   starting from the key of the event's parent block, which it learned from
   the event that announced the parent (none: the chain's root). An event
   whose parent it never saw (pushed out of its bound, or announced before
-  the router subscribed) is skipped and counted. ``AllBlocksCleared`` drops
+  the router subscribed) is skipped and counted, as is a block vLLM keyed
+  by more than its tokens (LoRA, images, a cache salt: ``extra_keys``).
+  ``AllBlocksCleared`` drops
   the engine's HBM blocks. Bounded: at most ``max_blocks`` hashes per host
-  (least recently announced forgotten first). Salted requests (vLLM's
-  ``cache_salt``, tierstore's ``tenant_salt``) chain other keys and are not
-  followed. Pure apart from its lock; thread-safe.
+  (least recently announced forgotten first). Pure apart from its lock;
+  thread-safe.
 - ``EngineSubscriber``: one thread per engine ("router-vllm-events-HOST")
   that reads vLLM's ZMQ publisher (``--kv-events-config``: ``[topic, seq,
-  msgpack(KVEventBatch)]``) with a receive deadline of ``poll_s`` so that
+  msgpack(KVEventBatch)]``, decoded by ``router.kv_events`` without vLLM)
+  with a receive deadline of ``poll_s`` so that
   ``close`` ends it; a batch number that skips one drops the host's picture
   (a lost ``BlockRemoved`` would leave a stale one). Decode errors are
   counted, never fatal; an unexpected error ends the thread with one log
@@ -38,10 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from tierstore.counters import Counters
 from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.router.index import best_tier, tier_bit
+from tierstore.router.kv_events import decode_batch
 from tierstore.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -74,7 +79,7 @@ class EngineIndex:
         self._engines: dict[str, _Engine] = {}
         self.counters = Counters(
             ("batches", "stored_blocks", "removed_blocks", "unknown_parent", "partial_blocks",
-             "other_block_size", "forgotten", "gaps", "clears")
+             "other_block_size", "salted_blocks", "forgotten", "gaps", "clears")
         )  # fmt: skip
 
     def apply(self, host: str, seq: int, events: Iterable[Any]) -> None:
@@ -98,6 +103,12 @@ class EngineIndex:
     def _stored(self, eng: _Engine, ev: Any) -> None:
         if ev.block_size != self.layout.block_tokens:
             self.counters.add("other_block_size")
+            return
+        if getattr(ev, "lora_name", None) or any(getattr(ev, "extra_keys", None) or ()):
+            # LoRA, images or a cache salt: vLLM keyed these blocks by more
+            # than their tokens, and so would the connector; an unsalted
+            # prompt with the same tokens does not hold them.
+            self.counters.add("salted_blocks")
             return
         parent = None
         if ev.parent_block_hash is not None:
@@ -210,13 +221,9 @@ class EngineSubscriber:
     def __init__(
         self, index: EngineIndex, host: str, endpoint: str, poll_s: float = 0.5, topic: str = ""
     ) -> None:
-        import msgspec
         import zmq
-        from vllm.distributed.kv_events import KVEventBatch
 
         self.index, self.host, self.endpoint, self.poll_s = index, host, endpoint, poll_s
-        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
-        self._decode_error = msgspec.DecodeError
         self._sock: Any = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sock.setsockopt(zmq.RCVTIMEO, int(poll_s * 1000))
@@ -224,7 +231,7 @@ class EngineSubscriber:
         self._sock.connect(endpoint)
         self._again = zmq.Again
         self._stop = threading.Event()
-        self.counters = Counters(("batches", "bad_frames", "subscriber_died"))
+        self.counters = Counters(("batches", "bad_frames", "unknown_events", "subscriber_died"))
         self.error = ""
         self._thread = threading.Thread(
             target=self._run, name=f"router-vllm-events-{host}", daemon=True
@@ -245,12 +252,13 @@ class EngineSubscriber:
                     self.counters.add("bad_frames")
                     continue
                 try:
-                    batch = self._decode(frames[2])
-                except self._decode_error:
+                    batch = decode_batch(frames[2])
+                except msgspec.DecodeError:
                     self.counters.add("bad_frames")
                     continue
                 self.index.apply(self.host, int.from_bytes(frames[1], "big"), batch.events)
                 self.counters.add("batches")
+                self.counters.add("unknown_events", batch.unknown)
         except BaseException as e:  # a bug: visible in the log and alive(), never silent
             log.exception("vLLM events of %s (%s): the subscriber died", self.host, self.endpoint)
             self.error = f"{type(e).__name__}: {e}"

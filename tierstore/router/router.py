@@ -129,9 +129,16 @@ class Router:
         session: str = "",
         current_host: str = "",
         loads: Mapping[str, HostLoadView] | None = None,
+        held: Mapping[str, bytes] | None = None,
+        prefill_tokens_per_s: Mapping[str, float] | None = None,
     ) -> Plan:
         """Rank ``hosts`` (default: all configured) for a prompt of
-        ``num_tokens`` tokens whose full blocks have ``keys``."""
+        ``num_tokens`` tokens whose full blocks have ``keys``. ``loads``
+        replace the hosts' own load reports; ``held`` adds, per host, tier
+        codes of a prefix its engine holds (a gateway's view of vLLM's KV
+        events), merged block by block with the sidecar's answer;
+        ``prefill_tokens_per_s`` replaces a host's prefill speed (measured
+        by the caller)."""
         clients = self.clients  # one view of the fleet for the whole request
         candidates = list(dict.fromkeys(hosts or clients))
         unknown = [h for h in candidates if h not in clients]
@@ -149,6 +156,15 @@ class Router:
         views = self._views(layout, keys, candidates, clients)
         if loads:
             views = [replace(v, load=loads[v.host]) if v.host in loads else v for v in views]
+        if held:
+            views = [_with_held(v, held.get(v.host, b"")) for v in views]
+        if prefill_tokens_per_s:
+            views = [
+                replace(v, rates=(v.rates or self.rates).for_host(prefill_tokens_per_s[v.host]))
+                if v.host in prefill_tokens_per_s and v.reachable
+                else v
+                for v in views
+            ]
         return plan(
             views, len(keys), num_tokens, layout.block_tokens, layout.block_bytes, self.rates,
             session=session, current_host=current_host, spill_tie_s=self.cfg.spill_tie_s,
@@ -190,12 +206,7 @@ class Router:
             views[h] = HostView(h, reply.tiers[: reply.num_hits], load, rates)
         if self.engines is not None:
             for h in hosts:
-                held = self.engines.prefix(h, keys)
-                v = views[h]
-                if held and v.reachable:
-                    views[h] = replace(
-                        v, tiers=merge_tiers(v.tiers, held), source=f"{v.source}+vllm"
-                    )
+                views[h] = _with_held(views[h], self.engines.prefix(h, keys))
         return [views[h] for h in hosts]
 
     def preposition(self, host: str, layout: KVLayout, keys: Sequence[BlockKey]) -> None:
@@ -219,3 +230,10 @@ class Router:
         for sub in self._subscribers:
             sub.close()
         self._clients.close()
+
+
+def _with_held(view: HostView, held: bytes) -> HostView:
+    """``view`` with the prefix its engine's events say it holds merged in."""
+    if not held or not view.reachable:
+        return view
+    return replace(view, tiers=merge_tiers(view.tiers, held), source=f"{view.source}+vllm")

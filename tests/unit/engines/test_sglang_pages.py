@@ -16,10 +16,10 @@ import torch
 from tierstore.engines.sglang.layout import (
     AUTO_COPY_THREADS,
     StorageSettings,
-    block_keys,
     host_pages,
     storage_layout,
 )
+from tierstore.engines.sglang.keys import block_keys
 from tierstore.engines.sglang.pages import HostPages, PageLayoutError, PageShape
 from tierstore.memory.memcopy import copy_runs
 

@@ -4,8 +4,7 @@ Provides ``StorageSettings`` (tierstore's keys in SGLang's
 ``--hicache-storage-backend-extra-config``), ``storage_layout`` (the
 ``KVLayout`` of one rank's pages, from ``HiCacheStorageConfig`` and the host
 pool; configurations whose pages cannot be shared by key are refused with
-the reason), ``block_keys`` (SGLang's page keys as tierstore keys) and
-``host_pages`` (``pages.HostPages`` over an MHA host pool).
+the reason) and ``host_pages`` (``pages.HostPages`` over an MHA host pool).
 
 No SGLang import: the config and the pool are read by attribute, so this is
 tested without SGLang.
@@ -18,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-import blake3
 import torch
 
 from tierstore.engines.sglang.pages import HostPages, PageLayoutError, PageShape
@@ -140,12 +138,6 @@ def storage_layout(config: Any, shape: PageShape, settings: StorageSettings) -> 
             f"{layout} holds {layout.block_bytes} bytes, a page {shape.block_bytes}"
         )
     return layout
-
-
-def block_keys(layout: KVLayout, keys: Sequence[str]) -> list[BlockKey]:
-    """SGLang's page keys as tierstore keys in ``layout``'s namespace."""
-    fp = layout.fingerprint
-    return [BlockKey(blake3.blake3(fp + k.encode()).digest()) for k in keys]
 
 
 def host_pages(host_pool: Any) -> HostPages:

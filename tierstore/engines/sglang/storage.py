@@ -53,7 +53,8 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from tierstore.client import ReserveStatus, StoreClient
 from tierstore.engines.link import StoreLink
-from tierstore.engines.sglang.layout import StorageSettings, block_keys, host_pages, storage_layout
+from tierstore.engines.sglang.keys import block_keys
+from tierstore.engines.sglang.layout import StorageSettings, host_pages, storage_layout
 from tierstore.engines.sglang.pages import HostPages
 from tierstore.errors import TierstoreError
 from tierstore.keys import KVLayout

@@ -22,7 +22,8 @@ Provides:
 - ``request_refusal(request)``: why one request's KV cannot (multimodal
   inputs, LoRA, prompt embeddings), or None.
 - ``request_salt(settings, request)``: the tenant salt of a request's keys
-  (vLLM's per-request ``cache_salt`` isolates tenants: so do our keys).
+  (vLLM's per-request ``cache_salt`` isolates tenants: so do our keys);
+  ``salted`` the same from the two salts.
 
 A block is the K and V of every layer for ``block_size`` tokens: layer after
 layer, each layer's part being vLLM's own page of that block, byte for byte
@@ -247,7 +248,12 @@ def request_refusal(request: Any) -> str | None:
 def request_salt(settings: ConnectorSettings, request: Any) -> str:
     """The tenant salt of this request's keys: the deployment's salt and
     vLLM's per-request ``cache_salt`` (tenant isolation)."""
-    cache_salt = getattr(request, "cache_salt", None) or ""
+    return salted(settings.tenant_salt, getattr(request, "cache_salt", None) or "")
+
+
+def salted(tenant_salt: str, cache_salt: str) -> str:
+    """The tenant salt of keys under a deployment's ``tenant_salt`` for a
+    request with vLLM's ``cache_salt`` (the gateway derives the same)."""
     if not cache_salt:
-        return settings.tenant_salt
-    return f"{settings.tenant_salt}\x00cache_salt={cache_salt}"
+        return tenant_salt
+    return f"{tenant_salt}\x00cache_salt={cache_salt}"
