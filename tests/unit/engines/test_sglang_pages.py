@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from tierstore.engines.sglang.keys import block_keys
 from tierstore.engines.sglang.layout import (
     AUTO_COPY_THREADS,
     StorageSettings,
     host_pages,
     storage_layout,
 )
-from tierstore.engines.sglang.keys import block_keys
 from tierstore.engines.sglang.pages import HostPages, PageLayoutError, PageShape
 from tierstore.memory.memcopy import copy_runs
 

@@ -21,8 +21,10 @@ ENC = msgspec.msgpack.Encoder()
 
 
 def stored(hashes: list[object], tokens: list[int], **kw: object) -> object:
-    fields = dict(block_hashes=hashes, parent_block_hash=None, token_ids=tokens,
-                  block_size=L.block_tokens, lora_id=None, medium="GPU", lora_name=None)  # fmt: skip
+    fields: dict[str, object] = dict(
+        block_hashes=hashes, parent_block_hash=None, token_ids=tokens,
+        block_size=L.block_tokens, lora_id=None, medium="GPU", lora_name=None,
+    )  # fmt: skip
     fields.update(kw)
     return vllm_events.BlockStored(**fields)  # type: ignore[arg-type]
 

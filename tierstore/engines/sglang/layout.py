@@ -13,14 +13,13 @@ tested without SGLang.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from tierstore.engines.sglang.pages import HostPages, PageLayoutError, PageShape
-from tierstore.keys import BlockKey, KVLayout
+from tierstore.keys import KVLayout
 from tierstore.memory.memcopy import MAX_COPY_THREADS
 
 AUTO_COPY_THREADS = 4  # copy_threads=0: at most this many (two reach it on one VM, see memcopy)
