@@ -1,5 +1,6 @@
 """A client of one remote sidecar's peer service: lookups, the stream of tier
-changes, opening a transfer on the data channel, replica pushes.
+changes, opening a transfer on the data channel, replica pushes, the layouts
+its engines registered.
 
 Every call carries the group token and a deadline. Used by the sidecar's peer
 tier and by the router (which needs no store: this module imports none).
@@ -21,7 +22,7 @@ from tierstore.config import PeerConfig
 from tierstore.keys import BlockKey, KVLayout, pack_keys
 from tierstore.load import RateMeter
 from tierstore.v1 import peer_pb2, peer_pb2_grpc
-from tierstore.wire import layout_to_proto
+from tierstore.wire import layout_from_proto, layout_to_proto
 
 RECONNECT_OPTIONS = [  # a restarted peer is seen again within ~2 s (gRPC default: up to 120 s)
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -75,6 +76,13 @@ class PeerClient:
     def lookup_future(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> Any:
         req = peer_pb2.PeerKeysRequest(layout=layout_to_proto(layout), keys=pack_keys(keys))
         return self._stub.Lookup.future(req, timeout=timeout_s, metadata=self._metadata)
+
+    def layouts(self, timeout_s: float) -> list[KVLayout]:
+        """The KV layouts registered with the sidecar (its ``PeerStat``)."""
+        reply = self._stub.PeerStat(
+            peer_pb2.PeerStatRequest(), timeout=timeout_s, metadata=self._metadata
+        )
+        return [layout_from_proto(m) for m in reply.layouts]
 
     def preposition_future(
         self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float

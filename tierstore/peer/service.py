@@ -34,7 +34,7 @@ from tierstore.sidecar.loadboard import LoadBoard
 from tierstore.store.tiered import TieredStore
 from tierstore.tiers import TIER_CODES
 from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-from tierstore.wire import host_load_proto, layout_from_proto
+from tierstore.wire import host_load_proto, layout_from_proto, layout_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ class PeerServicer(peer_pb2_grpc.PeerServiceServicer):
             address=self.cfg.address(),
             replica_bytes=self.store.replica_bytes(),
             replica_budget_bytes=self.cfg.replica_bytes,
+            layouts=[layout_to_proto(lo) for lo in self.store.layouts()],
         )
 
     def WatchBlocks(

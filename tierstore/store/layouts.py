@@ -2,7 +2,8 @@
 
 Provides ``LayoutRegistry``: ``register`` (the first layout registered
 under a fingerprint is kept; the fingerprint is the blake3 of the whole
-layout), ``get`` (LayoutError for an unknown fingerprint) and ``len``.
+layout), ``get`` (LayoutError for an unknown fingerprint), ``all`` and
+``len``.
 One lock, held only for the dict operation; called from any caller thread
 of the store (sidecar process).
 """
@@ -35,6 +36,10 @@ class LayoutRegistry:
                 f"unknown layout fingerprint {bytes(fingerprint).hex()[:16]}...; register it first"
             )
         return layout
+
+    def all(self) -> list[KVLayout]:
+        with self._lock:
+            return list(self._layouts.values())
 
     def __len__(self) -> int:
         return len(self._layouts)

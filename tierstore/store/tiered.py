@@ -137,6 +137,10 @@ class TieredStore:
         """The registered layout with this fingerprint, or LayoutError."""
         return self._layouts.get(fingerprint)
 
+    def layouts(self) -> list[KVLayout]:
+        """Every registered layout, in the order first registered."""
+        return self._layouts.all()
+
     # -- writes -------------------------------------------------------------------
 
     def reserve(

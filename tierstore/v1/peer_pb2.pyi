@@ -121,18 +121,20 @@ class PeerStatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PeerStatReply(_message.Message):
-    __slots__ = ("group", "address", "tiers", "replica_bytes", "replica_budget_bytes")
+    __slots__ = ("group", "address", "tiers", "replica_bytes", "replica_budget_bytes", "layouts")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     REPLICA_BYTES_FIELD_NUMBER: _ClassVar[int]
     REPLICA_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     group: str
     address: str
     tiers: _containers.RepeatedCompositeFieldContainer[_common_pb2.TierStat]
     replica_bytes: int
     replica_budget_bytes: int
-    def __init__(self, group: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStat, _Mapping]]] = ..., replica_bytes: _Optional[int] = ..., replica_budget_bytes: _Optional[int] = ...) -> None: ...
+    layouts: _containers.RepeatedCompositeFieldContainer[_common_pb2.Layout]
+    def __init__(self, group: _Optional[str] = ..., address: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.TierStat, _Mapping]]] = ..., replica_bytes: _Optional[int] = ..., replica_budget_bytes: _Optional[int] = ..., layouts: _Optional[_Iterable[_Union[_common_pb2.Layout, _Mapping]]] = ...) -> None: ...
 
 class WatchBlocksRequest(_message.Message):
     __slots__ = ("epoch", "from_seq")
