@@ -3,8 +3,10 @@
 Runs in the sidecar process. Provides ``NvmeTier`` with ``contains``, ``meta``,
 ``write_many``, ``read_into``, ``remove``, ``stats`` and ``close``; it owns the
 in-memory index, pins and eviction, and orders the durable steps. Pieces with
-no state of their own live in ``nvme_batch`` (item checks, digests, victim
-order, hashed batch writes) and ``nvme_index`` (the directory and its index).
+no state of their own live in ``batch`` (item checks, digests, victim order,
+hashed batch writes) and ``index`` (the directory and its index); the pins
+and the verified read of one block are in ``reads``, the cap on a full disk
+and its schedule in ``full``.
 
 Under ``root``: ``LOCK`` (flock'ed while open, holds the owner's pid),
 ``blocks.dat`` (sparse, sized to the capacity; blocks live in 4 KiB-aligned
@@ -19,16 +21,8 @@ its blake3 digest and every read is verified: a block that fails (bit rot, a
 truncated file) is dropped and reported as a miss, never served.
 
 A full disk: a write that hits ENOSPC caps the tier at what its data file
-holds (new blocks evict old ones, whose slots are on disk), and the index
-keeps ``index_reserve_bytes`` allocated for its commits (see
-``nvme_index``). While capped, the first write that comes ``full_backoff_s``
-after the cap (then after each look, doubling to 16x while the disk stays
-full) checks the filesystem's free space and lifts the cap when there is
-room, so spills grow the tier again without a restart. The schedule counts
-from the cap and from the looks only: another ENOSPC while capped lowers the
-cap but does not postpone the look (writes that kept failing would otherwise
-keep the tier capped for good). So once room is freed, the cap lifts at the
-first write at most ``16 * full_backoff_s`` later.
+holds (new blocks evict old ones), until a later write finds room on the
+filesystem again (``full.DiskFull``: the cap and when to look).
 
 Last-access times are kept in memory and persisted lazily (in the next write
 transaction and at close) so that reads never open an LMDB transaction; after
@@ -40,10 +34,10 @@ loss or kernel crash.
 Threads: ``read_into``, ``contains`` and ``meta`` may be called from many
 threads at once and concurrently with the write paths. ``write_many``,
 ``remove`` and ``close`` are serialised by one writer lock (LMDB allows one
-writer). Reads pin their slot (a reference count), so a slot is never evicted,
-reused or freed while a read is copying it. Large reads use helper threads of
-the data file (see ``blockfile``) and large write batches one hashing thread,
-so that blake3 runs while the disk works.
+writer). Reads pin their slot (``reads.SlotPins``), so a slot is never
+evicted, reused or freed while a read is copying it. Large reads use helper
+threads of the data file (see ``blockfile``) and large write batches one
+hashing thread, so that blake3 runs while the disk works.
 
 Never use an NvmeTier across ``fork()``: LMDB environments and the file lock
 belong to the process that opened them; a child gets StorageError.
@@ -60,7 +54,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import blake3
 import lmdb
 
 from tierstore.counters import Counters
@@ -74,11 +67,12 @@ from tierstore.store.nvme.batch import (
     VictimOrder,
     WriteBatch,
     block_digest,
-    block_hasher,
     write_and_hash,
 )
 from tierstore.store.nvme.blockfile import IO_ERRNOS
+from tierstore.store.nvme.full import FULL_COUNTERS, FULL_GAUGES, DiskFull
 from tierstore.store.nvme.index import NvmeEntry, derived_index_reserve_bytes, open_root
+from tierstore.store.nvme.reads import SlotPins, read_verified
 from tierstore.tiers import TierName, TierStats
 
 if TYPE_CHECKING:
@@ -90,18 +84,10 @@ logger = logging.getLogger(__name__)
 _faults = RateLimitedLog(logger)
 
 NVME_COUNTERS = (
-    "nvme_disk_full",  # gauge: 1 while the tier is capped by a full filesystem
-    "nvme_full_events",  # writes that found the filesystem full (ENOSPC)
-    "nvme_full_rechecks",  # looks at the free space while capped
-    "nvme_full_resumed",  # caps lifted: the disk had room again
+    *FULL_COUNTERS,
     "nvme_index_reserve_shortfalls",  # index reserve top-ups the disk could not give
 )
-NVME_GAUGES = frozenset({"nvme_disk_full"})
-FULL_BACKOFF_MAX_FACTOR = 16
-
-READ_CHUNK_BYTES = 512 << 10
-"""Blocks larger than this are read in chunks of it, each hashed while the next
-is read (measured ~10% faster than read-then-hash for 2 MiB blocks)."""
+NVME_GAUGES = FULL_GAUGES
 
 
 class NvmeTier:
@@ -132,16 +118,10 @@ class NvmeTier:
         self._pid = os.getpid()
         self._policy: EvictionPolicy = policy if policy is not None else LruPolicy()
         self._lock = threading.Lock()  # entries, policy, allocator, pins, counters
-        self._unpinned = threading.Condition(self._lock)
         self._write_lock = threading.Lock()  # LMDB writes and data-file writes
         self._entries: dict[BlockKey, NvmeEntry] = {}
-        self._pins: dict[int, int] = {}  # slot offset -> readers copying it
-        self._full_at_bytes: int | None = None  # set when the filesystem filled up first
-        self._full_backoff_s = full_backoff_s
-        self._full_wait_s = full_backoff_s  # current backoff (doubles while still full)
-        self._full_check_at = 0.0  # monotonic time of the next look, while capped
+        self._pins = SlotPins(self._lock)
         self.counters = Counters(NVME_COUNTERS)
-        self._retired: set[int] = set()  # slots dropped while pinned; freed at unpin
         self._dirty: set[BlockKey] = set()  # last access changed since persisted
         self._stats = TierStats()
         self._closed = False
@@ -166,6 +146,11 @@ class NvmeTier:
         self._alloc = opened.alloc
         self._file = opened.file
         self.segment_bytes = self._alloc.segment_bytes
+        self._full = DiskFull(
+            self.root, self.counters, backoff_s=full_backoff_s,
+            room_bytes=self.index_reserve_bytes + self.segment_bytes,
+            top_up_reserve=self._index.top_up_reserve,
+        )  # fmt: skip
         for entry in opened.entries:  # least recently used first
             self._entries[entry.key] = entry
             self._policy.insert(entry.key)
@@ -221,44 +206,11 @@ class NvmeTier:
         batch = WriteBatch.prepare(items, digests)
         with self._write_lock:
             self._check_usable()
-            if self._full_at_bytes is not None:
-                self._recheck_full()
+            self._full.maybe_lift()
             self._plan(batch)
             if batch.planned:
                 self._store(batch)
         return batch.outcome()
-
-    def _recheck_full(self) -> None:
-        """While capped by a full disk: once the look is due (see the module
-        docstring), lift the cap if the filesystem has room again (the index
-        reserve plus a segment), else look again after twice the wait.
-        Holds _write_lock."""
-        now = time.monotonic()
-        if now < self._full_check_at:
-            return
-        self.counters.add("nvme_full_rechecks")
-        try:
-            st = os.statvfs(self.root)
-            free = st.f_bavail * st.f_frsize
-        except OSError:
-            free = 0
-        self._index.top_up_reserve()
-        if free >= self.index_reserve_bytes + self.segment_bytes:
-            with self._lock:
-                self._full_at_bytes = None
-            self._full_wait_s = self._full_backoff_s
-            self.counters.add("nvme_full_resumed")
-            self.counters.set("nvme_disk_full", 0)
-            logger.info(
-                "NVMe tier %s: the disk has room again (%.1f MiB free); spills grow the tier again",
-                self.root,
-                free / 2**20,
-            )
-            return
-        self._full_wait_s = min(
-            self._full_wait_s * 2, self._full_backoff_s * FULL_BACKOFF_MAX_FACTOR
-        )
-        self._full_check_at = now + self._full_wait_s
 
     def _plan(self, batch: WriteBatch) -> None:
         """Give each new block a slot, evicting as needed (in memory only)."""
@@ -287,9 +239,8 @@ class NvmeTier:
         slot = self._alloc.slot_bytes(nbytes)
         if slot > self._alloc.capacity_bytes:
             return None
-        full_at = self._full_at_bytes
         offset = None
-        if full_at is None or self._alloc.used_bytes + slot <= full_at:
+        if self._full.fits(self._alloc.used_bytes, slot):
             offset = self._alloc.alloc(nbytes)
         while offset is None:
             victim = order.next(self._entries, self._can_evict)
@@ -299,7 +250,7 @@ class NvmeTier:
             self._dirty.discard(victim)
             self._alloc.free(entry.offset)
             victims.append(entry)
-            if full_at is None or self._alloc.used_bytes + slot <= full_at:
+            if self._full.fits(self._alloc.used_bytes, slot):
                 offset = self._alloc.alloc(nbytes)
         return offset
 
@@ -326,18 +277,12 @@ class NvmeTier:
         """Write, fdatasync, then index; returns the blocks that are now indexed."""
         written, out_of_space = write_and_hash(self._file, planned)
         if out_of_space:
-            # The filesystem is full below our budget: cap the tier at what it
-            # holds, so new blocks evict old ones (whose slots are already on
-            # disk) instead of failing from now on.
+            # The filesystem is full below our budget: cap the tier at what it holds.
             ok = {id(p) for p in written}
             lost = sum(self._alloc.slot_bytes(p.data.nbytes) for p in planned if id(p) not in ok)
             with self._lock:
-                newly_capped = self._full_at_bytes is None
-                self._full_at_bytes = self._alloc.used_bytes - lost
-            if newly_capped:  # already capped: the look stays when it was due
-                self._full_check_at = time.monotonic() + self._full_wait_s
-            self.counters.add("nvme_full_events")
-            self.counters.set("nvme_disk_full", 1)
+                held_bytes = self._alloc.used_bytes - lost
+            self._full.capped(held_bytes)
         if written and self.sync:
             try:
                 self._file.sync()
@@ -440,11 +385,9 @@ class NvmeTier:
         is scribbled on even when None is returned. A page-aligned ``out`` is
         read into without a copy. Thread-safe; the slot is pinned meanwhile.
 
-        A lone read overlaps its own verify with the disk (chunked reads on a
-        helper thread, a multithreaded hash). ``in_parallel`` says the caller
-        keeps other reads in flight, which overlap instead: the block is read
-        in one request and hashed on this thread, with no extra threads to
-        crowd the cores.
+        ``in_parallel`` says the caller keeps other reads in flight, which
+        overlap each other instead of each read with its own verify (see
+        ``reads.read_verified``).
         """
         key = check_key(key)
         view = memoryview(out).cast("B")
@@ -461,26 +404,18 @@ class NvmeTier:
                     f"output buffer of {view.nbytes} bytes is too small for block of "
                     f"{entry.nbytes} bytes"
                 )
-            self._pins[entry.offset] = self._pins.get(entry.offset, 0) + 1
+            self._pins.pin(entry.offset)
             self._touch(entry, time.time())
         nbytes = entry.nbytes
         started = time.perf_counter()
         try:
-            hasher = blake3.blake3() if in_parallel else block_hasher(nbytes)
-            chunk_bytes = nbytes if in_parallel else READ_CHUNK_BYTES
-            try:
-                got = self._file.read_streamed(
-                    entry.offset, nbytes, view, hasher.update, chunk_bytes
-                )
-            except OSError as e:
-                if e.errno not in IO_ERRNOS:
-                    raise
-                got = -1
-            verified = got == nbytes and hasher.digest() == entry.digest
+            in_full, verified = read_verified(self._file, entry, view, in_parallel=in_parallel)
             if not verified:
-                self._drop_failed(entry, verify_failed=got == nbytes)
+                self._drop_failed(entry, verify_failed=in_full)
         finally:
-            self._unpin(entry.offset)
+            with self._lock:
+                if self._pins.unpin(entry.offset):
+                    self._alloc.free(entry.offset)
         with self._lock:
             if verified:
                 self._stats.hits += 1
@@ -504,13 +439,6 @@ class NvmeTier:
 
     def _drop_failed(self, entry: NvmeEntry, *, verify_failed: bool) -> None:
         """Unindex a block whose bytes failed; its slot is freed at the last unpin."""
-        _faults.warning(
-            "verify" if verify_failed else "read",
-            "NVMe block at offset %d of %s %s; dropped (a miss, never served)",
-            entry.offset,
-            self.root / "blocks.dat",
-            "failed blake3 verification" if verify_failed else "could not be read in full",
-        )
         with self._write_lock:
             with self._lock:
                 if verify_failed:
@@ -528,19 +456,7 @@ class NvmeTier:
             except lmdb.Error:
                 return  # its row stays, so the slot stays used until the next open
             with self._lock:
-                self._retired.add(entry.offset)
-
-    def _unpin(self, offset: int) -> None:
-        with self._lock:
-            count = self._pins[offset] - 1
-            if count:
-                self._pins[offset] = count
-                return
-            del self._pins[offset]
-            if offset in self._retired:
-                self._retired.discard(offset)
-                self._alloc.free(offset)
-            self._unpinned.notify_all()
+                self._pins.retire(entry.offset)
 
     # -- lifetime --------------------------------------------------------------
 
@@ -562,8 +478,7 @@ class NvmeTier:
             if self._closed or os.getpid() != self._pid:
                 return
             self._closed = True
-            while self._pins:
-                self._unpinned.wait()
+            self._pins.wait_unpinned()
         with self._write_lock:
             try:
                 self._commit()

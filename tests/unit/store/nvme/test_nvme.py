@@ -339,11 +339,14 @@ def test_evict_first_keys_leave_before_the_policy_order(open_tier) -> None:
         return [key_of(999), *replicas]  # one the tier does not hold
 
     tier.evict_first = oldest_replicas
-    tier._pins[tier.meta(replicas[0]).offset] = 1  # being read: stays
+    pinned = tier.meta(replicas[0]).offset
+    with tier._lock:
+        tier._pins.pin(pinned)  # being read: stays
     try:
         assert all(tier.write_many([(k, FP, block_of(8 + i, BLOCK)) for i, k in enumerate(new)]))
     finally:
-        tier._pins.clear()
+        with tier._lock:
+            tier._pins.unpin(pinned)
     held = dict(zip(keys, tier.contains(keys)))
     assert [held[k] for k in replicas] == [True, False, False, False]
     # Three replicas made room for three blocks; the fourth took the LRU own block.
@@ -397,12 +400,16 @@ def test_reading_block_is_never_evicted(open_tier) -> None:
 def test_no_room_when_everything_is_pinned(open_tier) -> None:
     tier = open_tier(capacity=2 * BLOCK)
     tier.write_many([(key_of(i), FP, block_of(i, BLOCK)) for i in range(2)])
+    offsets = [e.offset for e in tier._entries.values()]
     with tier._lock:
-        tier._pins = {e.offset: 1 for e in tier._entries.values()}
+        for offset in offsets:
+            tier._pins.pin(offset)
     assert tier.write_many([(key_of(5), FP, block_of(5, BLOCK))]) == [False]
     assert tier.stats().write_failures == 1
     assert tier.contains([key_of(0), key_of(1)]) == [True, True]
-    tier._pins = {}
+    with tier._lock:
+        for offset in offsets:
+            tier._pins.unpin(offset)
 
 
 def test_concurrent_readers_and_writer_never_see_wrong_bytes(open_tier) -> None:

@@ -1,6 +1,6 @@
 """The NVMe tier on a full disk: when it looks at the free space again.
 
-A fake clock (``tierstore.store.nvme.tier.time``) and a fake disk (``pwritev``
+A fake clock (``tierstore.store.nvme.full.time``) and a fake disk (``pwritev``
 raises ENOSPC and ``statvfs`` reports no room while it is full) make the
 schedule exact: the first write ``full_backoff_s`` after the cap looks, then
 after each look the wait doubles to at most 16x; an ENOSPC while capped does
@@ -21,8 +21,9 @@ import pytest
 
 from tierstore.keys import BlockKey
 from tierstore.store.nvme import blockfile
-from tierstore.store.nvme import tier as nvme_module
-from tierstore.store.nvme.tier import FULL_BACKOFF_MAX_FACTOR, NvmeTier
+from tierstore.store.nvme import full as full_module
+from tierstore.store.nvme.full import FULL_BACKOFF_MAX_FACTOR
+from tierstore.store.nvme.tier import NvmeTier
 
 FP = bytes(range(32))
 BLOCK_BYTES = 4096
@@ -69,9 +70,9 @@ def capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
         monotonic=lambda: clock.now, time=time.time, perf_counter=time.perf_counter
     )
     disk = FakeDisk()
-    monkeypatch.setattr(nvme_module, "time", fake_time)
+    monkeypatch.setattr(full_module, "time", fake_time)
     monkeypatch.setattr(blockfile.os, "pwritev", disk.pwritev)
-    monkeypatch.setattr(nvme_module.os, "statvfs", disk.statvfs)
+    monkeypatch.setattr(full_module.os, "statvfs", disk.statvfs)
     tier = NvmeTier(
         Path(tmp_path) / "nvme", 4 << 20, segment_bytes=64 << 10, direct_io=False, sync=False,
         index_reserve_bytes=64 << 10, full_backoff_s=BACKOFF_S,
