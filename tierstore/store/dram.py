@@ -14,9 +14,9 @@ and out by the caller through ``view``; the tier only tracks slots.
 Cost: every operation is O(1) per key in the number of blocks held. Only
 committed, unpinned blocks are in the eviction policy (a pin takes a block
 out, the last unpin puts it back), so finding a victim never walks pinned
-keys; reservations and pins are indexed by owner, so releasing a dead owner
-or a transfer touches only what it held; the readable count is kept, not
-counted.
+keys; reservations and pins are indexed by owner (pins in
+``tierstore.store.pins``), so releasing a dead owner or a transfer touches
+only what it held; the readable count is kept, not counted.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from tierstore.keys import BlockKey
 from tierstore.memory.arena import Arena
 from tierstore.memory.slab import SlabAllocator
 from tierstore.policies import EvictionPolicy, LruPolicy
+from tierstore.store.pins import OwnerPins
 from tierstore.tiers import TierName, TierStats
 
 if TYPE_CHECKING:
@@ -75,10 +76,7 @@ class DramTier:
         self.allocator = SlabAllocator(arena.size_bytes, segment_bytes)
         self.policy: EvictionPolicy = policy if policy is not None else LruPolicy()
         self._entries: dict[BlockKey, DramEntry] = {}
-        # owner -> its pinned entries and how many pins of each: keyed by the
-        # entry itself, so dropping a transfer's pins probes no index.
-        self._pins: dict[int, dict[DramEntry, int]] = {}
-        self._pin_totals: dict[int, int] = {}  # owner -> pins it holds (sum of its table)
+        self._pins = OwnerPins()
         self._reserved: dict[int, set[BlockKey]] = {}  # owner -> keys it has RESERVED
         self._num_readable = 0
         self._lock = threading.Lock()
@@ -176,8 +174,8 @@ class DramTier:
         digests, kept with them; ``committed`` gets the entries committed."""
         done = []
         added: list[BlockKey] = []
+        pinned: list[DramEntry | None] = []
         with self._lock:
-            pins = self._pins.setdefault(pin_for, {}) if pin_for is not None else None
             reserved = self._reserved.get(owner)
             for i, key in enumerate(keys):
                 entry = self._entries.get(key)
@@ -195,10 +193,9 @@ class DramTier:
                     if digests is not None and digests[i] is not None:
                         entry.digest = digests[i]
                     added.append(key)
-                    if pins is not None and pin_for is not None:
+                    if pin_for is not None:
                         entry.refs += 1
-                        pins[entry] = pins.get(entry, 0) + 1
-                        self._pin_totals[pin_for] = self._pin_totals.get(pin_for, 0) + 1
+                        pinned.append(entry)
                     else:
                         self.policy.insert(key)
                     if committed is not None:
@@ -206,6 +203,8 @@ class DramTier:
                 done.append(ok)
             if reserved is not None and not reserved:
                 del self._reserved[owner]
+            if pin_for is not None:
+                self._pins.add(pin_for, pinned)
             self._log(True, added)
         return done
 
@@ -239,7 +238,6 @@ class DramTier:
         """Pin each readable key (counted as a hit) or give None (a miss)."""
         out: list[DramEntry | None] = []
         with self._lock:
-            pins = self._pins.setdefault(owner, {})
             for key in keys:
                 entry = self._entries.get(key)
                 if self._readable(entry):
@@ -247,18 +245,13 @@ class DramTier:
                     if entry.refs == 0:
                         self.policy.remove(key)  # out of eviction's way while pinned
                     entry.refs += 1
-                    pins[entry] = pins.get(entry, 0) + 1
                     self._stats.hits += 1
                     self._stats.bytes_out += entry.nbytes
                     out.append(entry)
                 else:
                     self._stats.misses += 1
                     out.append(None)
-            n = len(out) - out.count(None)
-            if n:
-                self._pin_totals[owner] = self._pin_totals.get(owner, 0) + n
-            elif not pins:
-                del self._pins[owner]
+            self._pins.add(owner, out)
         return out
 
     def pin_quiet(
@@ -268,7 +261,6 @@ class DramTier:
         like ``pin`` but neither a hit nor a use (the eviction order stays)."""
         out: list[DramEntry | None] = []
         with self._lock:
-            pins = self._pins.setdefault(owner, {})
             for key in keys:
                 entry = self._entries.get(key)
                 if self._readable(entry):
@@ -276,15 +268,10 @@ class DramTier:
                     # Stays in the eviction policy, in its place (skipped as a
                     # victim while pinned): the order is not this pin's business.
                     entry.refs += 1
-                    pins[entry] = pins.get(entry, 0) + 1
                     out.append(entry)
                 else:
                     out.append(None)
-            n = len(out) - out.count(None)
-            if n:
-                self._pin_totals[owner] = self._pin_totals.get(owner, 0) + n
-            elif not pins:
-                del self._pins[owner]
+            self._pins.add(owner, out)
         return out
 
     def nbytes_of(self, keys: Sequence[BlockKey]) -> list[int]:
@@ -308,28 +295,11 @@ class DramTier:
 
     def unpin(self, keys: Iterable[BlockKey], owner: int = STORE_OWNER) -> int:
         """Drop one pin of ``owner`` per key; unknown pins are ignored (counted in the result)."""
-        n = 0
         with self._lock:
-            pins = self._pins.get(owner)
-            if pins is None:
-                return 0
-            for key in keys:
-                entry = self._entries.get(key)
-                count = pins.get(entry, 0) if entry is not None else 0
-                if count <= 0:
-                    continue
-                assert entry is not None
-                if count == 1:
-                    del pins[entry]
-                else:
-                    pins[entry] = count - 1
+            dropped = self._pins.drop(owner, (self._entries.get(key) for key in keys))
+            for entry in dropped:
                 self._unref(entry, 1)
-                n += 1
-            self._pin_totals[owner] = self._pin_totals.get(owner, 0) - n
-            if not pins:
-                del self._pins[owner]
-                self._pin_totals.pop(owner, None)
-        return n
+        return len(dropped)
 
     def not_reserved_by(self, keys: Sequence[BlockKey], owner: int) -> list[BlockKey]:
         """The keys that are not RESERVED by ``owner`` (a commit would fail)."""
@@ -344,7 +314,7 @@ class DramTier:
 
     def pin_count(self, owner: int) -> int:
         with self._lock:
-            return self._pin_totals.get(owner, 0)
+            return self._pins.count(owner)
 
     def view(self, entry: DramEntry) -> memoryview:
         return self.arena.view(entry.offset, entry.nbytes)
@@ -448,8 +418,7 @@ class DramTier:
             reserved = self._reserved.pop(owner, set())
             for key in reserved:
                 self._free(self._entries[key])
-            pins = self._pins.pop(owner, {})
-            self._pin_totals.pop(owner, None)
+            pins = self._pins.release(owner)
             for entry, count in pins.items():
                 self._unref(entry, count)
             return len(reserved), sum(pins.values())
@@ -475,7 +444,6 @@ class DramTier:
         with self._lock:
             self._entries.clear()
             self._pins.clear()
-            self._pin_totals.clear()
             self._reserved.clear()
             self._num_readable = 0
 
