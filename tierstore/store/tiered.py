@@ -8,6 +8,7 @@ the services ask of it instead of reaching into its tiers. Its parts are
 built from the config by ``tierstore.store.build``; its helpers get them
 explicitly and never reach into the store's privates (``replicas``: replica
 room, given the store's public ``held`` / ``drop``; ``stat``: the figures;
+``reserve``: a batch's DRAM slots, given the tiers and ``make_room``;
 ``digests``, ``layouts``, ``buffers``, ``results``).
 
 The remote tier (``tierstore.store.remote.tier``, when ``remote_url`` is set)
@@ -56,6 +57,7 @@ from tierstore.store.promoter import PROMOTER_COUNTERS
 from tierstore.store.remote.pull import pull_prefix
 from tierstore.store.remote.turns import Durability
 from tierstore.store.replicas import make_replica_room, prune_gone
+from tierstore.store.reserve import reserve_slots
 from tierstore.store.results import LookupResult, Reservation
 from tierstore.store.stat import STORE_GAUGES as STORE_GAUGES  # re-exported (/metrics)
 from tierstore.store.stat import store_stat
@@ -152,41 +154,8 @@ class TieredStore:
         fp = self.register_layout(layout)
         nbytes = layout.block_bytes
         self._check_fits(layout)
-        out: list[Reservation | None] = [None] * len(keys)
-        todo: list[int] = []
-        if self.nvme is not None:
-            for i, elsewhere in enumerate(self.nvme.contains(keys)):
-                if elsewhere:
-                    out[i] = Reservation(keys[i], ReserveStatus.EXISTS)
-                else:
-                    todo.append(i)
-        else:
-            todo = list(range(len(keys)))
-        # One DRAM lock per pass, not per key; a pass that runs out of room
-        # evicts once for everything still to reserve, then the rest goes on.
-        made_room = False
-        while todo:
-            results = self.dram.reserve_many([keys[i] for i in todo], fp, nbytes, owner)
-            for i, (status, entry) in zip(todo, results):
-                if status != ReserveStatus.FULL:
-                    offset = entry.offset if status == ReserveStatus.OK and entry else -1
-                    out[i] = Reservation(keys[i], status, offset)
-            if results[-1][0] != ReserveStatus.FULL:
-                break
-            todo = todo[len(results) - 1 :]
-            # A pass right after making room that placed nothing (the arena's
-            # pages refused, say): the rest is FULL, as without a retry loop.
-            stalled = made_room and len(results) == 1
-            made_room = True
-            if stalled or not self.make_room(nbytes, len(todo)):
-                for i in todo:
-                    # Spilled meanwhile, by this batch's own reservations: still held.
-                    held = self.nvme is not None and self.nvme.contains([keys[i]])[0]
-                    out[i] = Reservation(
-                        keys[i], ReserveStatus.EXISTS if held else ReserveStatus.FULL
-                    )
-                break
-        return [r for r in out if r is not None]
+        below = self.nvme.contains if self.nvme is not None else None
+        return reserve_slots(self.dram, below, keys, fp, nbytes, owner, self.make_room)
 
     def commit(
         self,
