@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierstore.engines.vllm.worker import PagedKV
+from tierstore.engines.vllm.pages import PagedKV
 
 pytestmark = pytest.mark.cuda
 

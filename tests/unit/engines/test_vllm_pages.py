@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierstore.engines.vllm.worker import CpuPageMover, PagedKV, PageLayoutError
+from tierstore.engines.vllm.pages import CpuPageMover, PagedKV, PageLayoutError
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 

@@ -7,7 +7,8 @@ vLLM loads the connector by module path and class name::
 - ``connector``: ``TierstoreConnector``, the ``KVConnectorBase_V1`` vLLM builds;
 - ``layout``: settings and the ``KVLayout`` per tensor-parallel rank;
 - ``plan``: the scheduler side (what to load and save each step);
-- ``worker``, ``loader``, ``cuda``: page copies, background loads, CUDA;
+- ``worker``, ``loader``: one step's loads and saves, background loads;
+- ``pages``, ``cuda``: vLLM's pages and their copies, on the CPU and on CUDA;
 - ``link``: the sidecar connection with deadlines;
 - ``metrics``, ``events``: vLLM's connector stats and KV events;
 - ``driver``, ``demo``: a vLLM engine in a child process, and ``tierstore demo --vllm``.

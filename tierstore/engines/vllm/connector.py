@@ -87,8 +87,9 @@ from tierstore.engines.vllm.layout import (
 )
 from tierstore.engines.vllm.link import BudgetedCalls, StoreLink
 from tierstore.engines.vllm.metrics import StatsWindow, TierstoreKVStats, TierstorePromMetrics
+from tierstore.engines.vllm.pages import PageLayoutError
 from tierstore.engines.vllm.plan import EndTurn, LoadSpec, Planner, SaveSpec
-from tierstore.engines.vllm.worker import ConnectorWorker, PageLayoutError
+from tierstore.engines.vllm.worker import ConnectorWorker
 from tierstore.errors import TierstoreError
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.tiers import TierName

@@ -1,6 +1,6 @@
 """The vLLM connector's copies on a CUDA device (not runnable on CPU hosts).
 
-Provides ``CudaPageMover``, the CUDA ``PageMover`` of ``vllm.worker``:
+Provides ``CudaPageMover``, the CUDA ``PageMover`` of ``vllm.pages``:
 copies between vLLM's device pages and the sidecar's arena (registered as
 pinned host memory by ``tierstore.client.cuda``, so each copy is one DMA)
 on a side stream, with the rules the HBM tier uses:
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from tierstore.client import cuda
-from tierstore.engines.vllm.worker import PagedKV, Pairs
+from tierstore.engines.vllm.pages import PagedKV, Pairs
 
 
 class CudaPageMover:
