@@ -107,3 +107,28 @@ def test_max_gib_and_replica_bytes_in_one_layer_is_an_error(tmp_path) -> None:
 def test_negative_replica_budget_is_refused() -> None:
     with pytest.raises(ConfigError, match="replica_bytes"):
         load_config(env={}, overrides={"replica_bytes": -1})
+
+
+def test_gateway_settings_are_checked() -> None:
+    from tierstore.config import GatewayConfig
+
+    assert GatewayConfig().gateway_policy == "tierstore"
+    with pytest.raises(ConfigError, match="gateway_policy must be one of"):
+        GatewayConfig(gateway_policy="random")
+    with pytest.raises(ConfigError, match="gateway_port"):
+        GatewayConfig(gateway_port=0)
+    with pytest.raises(ConfigError, match="gateway_load_poll_s"):
+        GatewayConfig(gateway_load_poll_s=0)
+    cfg = load_config(env={"TIERSTORE_GATEWAY_BACKENDS": "http://a:1;peer=a:2, http://b:1"})
+    assert cfg.gateway.gateway_backends == ("http://a:1;peer=a:2", "http://b:1")
+
+
+def test_engine_url_and_events_are_checked() -> None:
+    from tierstore.config import PeerConfig
+
+    with pytest.raises(ConfigError, match="engine_url"):
+        PeerConfig(engine_url="10.0.0.1:8000")
+    with pytest.raises(ConfigError, match="engine_events"):
+        PeerConfig(engine_events="10.0.0.1:5557")
+    ok = PeerConfig(engine_url="http://10.0.0.1:8000", engine_events="tcp://10.0.0.1:5557")
+    assert ok.engine_url.startswith("http")

@@ -350,13 +350,15 @@ class EtcdMembers:
 def describe_host(
     address: str, group: str, tiers: tuple[str, ...], dram_bytes: int, nvme_bytes: int,
     replica_budget_bytes: int, load: Callable[[], dict[str, int]], version: str,
+    engine_url: str = "", engine_events: str = "",
 ) -> Callable[[], Member]:  # fmt: skip
-    """A sidecar's ``describe`` for ``EtcdMembers``: fixed facts plus its load now."""
+    """A sidecar's ``describe`` for ``EtcdMembers``: fixed facts (its engine's
+    URL and event endpoint among them, for gateways) plus its load now."""
     pid = os.getpid()
 
     def describe() -> Member:
         return Member(address, group, tiers, dram_bytes, nvme_bytes, replica_budget_bytes,
-                      load(), version, pid)  # fmt: skip
+                      load(), version, pid, engine_url, engine_events)  # fmt: skip
 
     return describe
 

@@ -7,7 +7,8 @@ Provides:
   (the default, no etcd), ``tierstore.membership.etcd.EtcdMembers`` the
   live set from etcd leases;
 - ``Member``: the record a sidecar publishes in etcd (group, peer address,
-  tiers, capacity, load summary; never a secret), its JSON encoding and
+  tiers, capacity, load summary, its engine's URL and KV-event endpoint for
+  gateways; never a secret), its JSON encoding and
   strict decoding (a malformed record is None: ignored and counted).
 
 Pure: no I/O, no gRPC. Thread-safe.
@@ -67,6 +68,8 @@ class Member:
     load: dict[str, int] = field(default_factory=dict)  # busy_slots, slots, queue_len
     version: str = ""  # tierstore version
     pid: int = 0
+    engine_url: str = ""  # the engine's OpenAI server next to this sidecar (for gateways)
+    engine_events: str = ""  # its engine's KV-event publisher, tcp://host:port
 
     def encode(self) -> bytes:
         d = asdict(self)
@@ -102,6 +105,8 @@ def decode_member(key: bytes, value: bytes, key_prefix: bytes) -> Member | None:
             load={str(k): int(v) for k, v in load.items()} if isinstance(load, dict) else {},
             version=str(d.get("version", "")),
             pid=int(d.get("pid", 0)),
+            engine_url=str(d.get("engine_url", "")),
+            engine_events=str(d.get("engine_events", "")),
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return None

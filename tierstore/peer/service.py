@@ -287,6 +287,6 @@ def _join_group(store: TieredStore, cfg: PeerConfig, loads: LoadBoard) -> EtcdMe
     nvme_bytes = store.config.nvme_bytes if store.nvme is not None else 0
     describe = describe_host(
         cfg.address(), cfg.group, tiers, store.config.dram_bytes, nvme_bytes,
-        cfg.replica_bytes, load, __version__,
+        cfg.replica_bytes, load, __version__, cfg.engine_url, cfg.engine_events,
     )  # fmt: skip
     return EtcdMembers(cfg, describe=describe, workers=store.workers)

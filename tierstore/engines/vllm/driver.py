@@ -3,7 +3,10 @@
 Provides:
 - ``tiny_llama(path, ...)``: save a random-weight Llama built from a config
   (nothing is downloaded) for vLLM to load; ``WIDE_KV``: its arguments for
-  an 8B model's KV per token.
+  an 8B model's KV per token; ``chat_tokenizer(path, vocab)``: save beside
+  it a word-level tokenizer (``w0 w1 ...``: one token a word, so a prompt's
+  length in tokens is its length in words) with a chat template, for the
+  OpenAI server's text and chat endpoints.
 - ``kv_transfer_config(socket_path, **settings)``: the TierstoreConnector's
   ``kv_transfer_config``.
 - ``VllmEngine``: starts ``python -m tierstore.engines.vllm.driver`` with a
@@ -89,6 +92,37 @@ def tiny_llama(
     )
     model: Any = LlamaForCausalLM(cfg)
     model.to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+CHAT_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def chat_tokenizer(path: str | os.PathLike[str], vocab: int = 1024) -> Path:
+    """Save a tokenizer of ``vocab`` ids into ``path`` (beside a ``tiny_llama``
+    of the same vocabulary): the special tokens, then the words ``w0``,
+    ``w1``, ... split on white space; a chat renders as ``<s><|user|> text
+    <|end|> ... <|assistant|>``. Returns ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = Path(path)
+    if (path / "tokenizer.json").exists():
+        return path
+    words = {t: i for i, t in enumerate(CHAT_SPECIAL_TOKENS)}
+    words.update({f"w{i}": len(CHAT_SPECIAL_TOKENS) + i for i in range(vocab - len(words))})
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # words joined by spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
     return path
 
 

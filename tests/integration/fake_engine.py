@@ -1,0 +1,125 @@
+"""A fake OpenAI-compatible engine for the gateway's HTTP tests: vLLM's routes
+(``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/metrics``,
+``/health``, ``/tokenize``) answered by rules the test sets, so failures can be
+made on purpose: a 503, a connection dropped before the first byte, a stream
+cut after it, a stream held at its first chunk until the test lets it go.
+
+Runs on the event loop of ``LoopThread``: a loop on its own thread that tests
+drive with ``run`` (a coroutine, waited for with a deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+WAIT_S = 30.0
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = WAIT_S) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(WAIT_S)
+
+
+@dataclass
+class FakeEngine:
+    """``mode``: ok | refuse (503) | drop (connection closed before the first
+    byte) | cut (first chunk, then the connection dropped) | hold (first
+    chunk, then wait for ``release``)."""
+
+    model: str = "m"
+    max_model_len: int = 4096
+    mode: str = "ok"
+    chunks: int = 4
+    waiting: int = 0  # what /metrics says
+    running: int = 0
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    url: str = ""
+    runner: web.AppRunner | None = None
+    release: asyncio.Event | None = None
+    sent_first: asyncio.Event | None = None
+
+    async def start(self) -> str:
+        self.release, self.sent_first = asyncio.Event(), asyncio.Event()
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", self.health)
+        app.router.add_post("/tokenize", self.tokenize)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            runner, self.runner = self.runner, None
+            await runner.cleanup()
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model, "object": "model", "max_model_len": self.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = (
+            f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
+            f'vllm:num_requests_waiting{{model_name="{self.model}"}} {self.waiting}\n'
+        )
+        return web.Response(text=text)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        text = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
+        tokens = [len(w) for w in text.split()]
+        return web.json_response({"tokens": tokens, "count": len(tokens)})
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(body)
+        if self.mode == "refuse":
+            return web.json_response({"error": "busy"}, status=503)
+        if self.mode == "drop":
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()  # never sent: the connection is gone
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "x" * self.chunks}], "engine": self.url})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(self.chunks):
+            await resp.write(f"data: {json.dumps({'i': i, 'engine': self.url})}\n\n".encode())
+            if i == 0:
+                assert self.sent_first is not None and self.release is not None
+                self.sent_first.set()
+                if self.mode == "cut":
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
+                if self.mode == "hold":
+                    await asyncio.wait_for(self.release.wait(), WAIT_S)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,210 @@
+"""The gateway's HTTP front against fake engines (``fake_engine.py``): streams
+passed through as each event arrives, failover before the first byte and
+never after it, OpenAI-format errors that leave the gateway up, and the
+/v1/models, /health and /metrics endpoints. Placement by load only (no
+sidecars here: the cost model's path is in test_gateway_fleet.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tierstore.config import Config, GatewayConfig
+from tierstore.gateway.app import make_app
+from tierstore.gateway.serve import build, http_session
+
+from .fake_engine import FakeEngine, LoopThread
+
+TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+
+class Fleet:
+    """Fake engines and a gateway in front of them, on one background loop."""
+
+    def __init__(self, lt: LoopThread, engines: list[FakeEngine], **gateway: Any) -> None:
+        self.lt, self.engines = lt, engines
+        self.urls = [lt.run(e.start()) for e in engines]
+        cfg = GatewayConfig(gateway_backends=tuple(self.urls), gateway_port=1,
+                            gateway_load_poll_s=0.05, **gateway)  # fmt: skip
+        self.url = lt.run(self._start(Config(gateway=cfg)))
+
+    async def _start(self, config: Config) -> str:
+        self.http = http_session()
+        self.gw = build(config, self.http)
+        self.poll = asyncio.create_task(self.gw.fleet.run())
+        await asyncio.wait_for(self.gw.fleet.ready.wait(), 10)
+        self.runner = web.AppRunner(make_app(self.gw, config.gateway.gateway_max_body_bytes))
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+
+    async def _stop(self) -> None:
+        self.poll.cancel()
+        await self.runner.cleanup()
+        await self.http.close()
+        self.gw.fleet.close()
+        for e in self.engines:
+            await e.stop()
+
+    def close(self) -> None:
+        self.lt.run(self._stop())
+
+    def post(
+        self, path: str, body: Any, raw: bytes | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
+        async def go() -> tuple[int, dict[str, str], bytes]:
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+                data = raw if raw is not None else json.dumps(body).encode()
+                async with s.post(self.url + path, data=data) as r:
+                    return r.status, dict(r.headers), await r.read()
+
+        return self.lt.run(go())
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        async def go() -> tuple[int, bytes]:
+            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(self.url + path) as r:
+                return r.status, await r.read()
+
+        return self.lt.run(go())
+
+
+@pytest.fixture
+def lt() -> Iterator[LoopThread]:
+    loop = LoopThread()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture
+def two(lt: LoopThread, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    fleet = Fleet(lt, [FakeEngine(), FakeEngine()], gateway_policy="round_robin")
+    yield fleet
+    fleet.close()
+
+
+def completion(stream: bool = False, **kw: Any) -> dict[str, Any]:
+    return {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4, "stream": stream, **kw}
+
+
+def test_a_stream_passes_through_as_each_event_arrives(two: Fleet) -> None:
+    a, b = two.engines
+    a.mode = b.mode = "hold"
+
+    async def go() -> tuple[bytes, bool, bytes]:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
+            async with s.post(two.url + "/v1/completions", json=completion(True)) as r:
+                first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 10)
+                # The engine still holds the rest: the event came through unbuffered.
+                held = not (a.release.is_set() or b.release.is_set())  # type: ignore[union-attr]
+                a.release.set()  # type: ignore[union-attr]
+                b.release.set()  # type: ignore[union-attr]
+                return first, held, await r.read()
+
+    first, held, rest = two.lt.run(go())
+    assert held and first.startswith(b"data: {") and b'"i": 0' in first
+    assert rest.count(b"data: ") == 4 and rest.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("failure", ["refuse", "drop"])
+def test_an_engine_failing_before_the_first_byte_is_skipped_and_the_request_retried(
+    two: Fleet, failure: str
+) -> None:
+    bad, good = two.engines
+    bad.mode = failure
+    answers = [two.post("/v1/completions", completion(stream=i % 2 == 0)) for i in range(6)]
+    assert all(status == 200 for status, _, _ in answers), answers
+    assert {h["x-tierstore-host"] for _, h, _ in answers} == {two.urls[1]}
+    assert len(good.seen) == 6 and len(bad.seen) >= 1  # tried, failed, then rested
+    retried = [h for _, h, _ in answers if h["x-tierstore-placement"] == "failover"]
+    assert len(retried) == len(bad.seen)
+    _, text = two.get("/metrics")
+    assert b"tierstore_gateway_retries_total{host=" in text
+
+
+def test_a_stream_cut_after_its_first_byte_is_not_retried(two: Fleet) -> None:
+    a, b = two.engines
+    a.mode = b.mode = "cut"
+    status, _, body = two.post("/v1/completions", completion(True))
+    assert status == 200 and body.count(b"data: ") == 1 and b"[DONE]" not in body
+    assert len(a.seen) + len(b.seen) == 1  # the client's error: never sent elsewhere
+    _, text = two.get("/metrics")
+    assert b"tierstore_gateway_streams_cut_total" in text
+
+
+def test_no_engine_left_is_a_503_in_openai_format(two: Fleet) -> None:
+    for e in two.engines:
+        e.mode = "refuse"
+    status, _, body = two.post("/v1/completions", completion())
+    err = json.loads(body)["error"]
+    assert status == 503 and err["code"] == "no_backend_available"
+    assert len(two.engines[0].seen) + len(two.engines[1].seen) == 2
+
+
+def test_bad_requests_get_openai_errors_and_the_gateway_stays_up(lt: LoopThread) -> None:
+    fleet = Fleet(lt, [FakeEngine(max_model_len=64)], gateway_policy="least_loaded",
+                  gateway_max_body_bytes=4096)  # fmt: skip
+    try:
+        cases = [
+            (b"{not json", 400, None),
+            (json.dumps(completion(model="other")).encode(), 404, "model_not_found"),
+            (json.dumps(completion(prompt=list(range(80)))).encode(), 400,
+             "context_length_exceeded"),
+            (json.dumps(completion(prompt=[1] * 60, max_tokens=10)).encode(), 400,
+             "context_length_exceeded"),
+            (json.dumps(completion(prompt=[1] * 3000)).encode(), 413, None),
+            (json.dumps({"prompt": [1]}).encode(), 400, None),
+        ]  # fmt: skip
+        for raw, want, code in cases:
+            status, _, body = fleet.post("/v1/completions", None, raw=raw)
+            err = json.loads(body)["error"]
+            assert status == want, (raw[:40], body)
+            assert set(err) == {"message", "type", "param", "code"} and err["code"] == code
+        status, _, body = fleet.post("/v1/nothing", {})
+        assert status == 404 and "error" in json.loads(body)
+        assert fleet.engines[0].seen == []  # none of it reached the engine
+        assert fleet.post("/v1/completions", completion())[0] == 200  # still serving
+        status, text = fleet.get("/metrics")
+        assert b'tierstore_gateway_failed_total{code="400"} 4.0' in text
+    finally:
+        fleet.close()
+
+
+def test_least_loaded_reads_the_engines_own_queues(lt: LoopThread) -> None:
+    busy, idle = FakeEngine(waiting=5, running=2), FakeEngine()
+    fleet = Fleet(lt, [busy, idle], gateway_policy="least_loaded")
+    try:
+        for _ in range(4):
+            _, headers, _ = fleet.post("/v1/completions", completion())
+            assert headers["x-tierstore-host"] == fleet.urls[1]
+            assert headers["x-tierstore-placement"] == "least_loaded"
+    finally:
+        fleet.close()
+
+
+def test_models_health_and_metrics(two: Fleet) -> None:
+    status, body = two.get("/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == ["m"]
+    two.post(
+        "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "a b"}]}
+    )
+    status, body = two.get("/health")
+    health = json.loads(body)
+    assert status == 200 and all(e["up"] for e in health["engines"].values())
+    assert len(health["engines"]) == 2 and health["poll_failures"] == 0
+    _, text = two.get("/metrics")
+    assert b"tierstore_gateway_requests_total{host=" in text and b'reason="round_robin"' in text
+    assert b"tierstore_gateway_added_seconds_count 1.0" in text
+    # The chat's text went through an engine's /tokenize (no local tokenizer): 2 words.
+    assert two.engines[0].seen or two.engines[1].seen
+    for e in two.engines:
+        two.lt.run(e.stop())
+    two.lt.run(asyncio.sleep(0.3))  # a poll or two
+    status, body = two.get("/health")
+    assert status == 503 and not any(e["up"] for e in json.loads(body)["engines"].values())
