@@ -25,7 +25,7 @@ import torch
 
 from tests.conftest import SMALL_LAYOUT
 from tests.seaweed import ACCESS_KEY, SECRET_KEY, FaultProxy
-from tierstore.cli.main import _stat_dict, format_stat
+from tierstore.cli.stat import _stat_dict, format_stat
 from tierstore.client import StoreClient
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.tiers import TierName

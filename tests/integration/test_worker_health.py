@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierstore.cli.main import _stat_dict, format_stat
+from tierstore.cli.stat import _stat_dict, format_stat
 from tierstore.config import Config, PeerConfig, ServerConfig, StoreConfig
 from tierstore.keys import chain_keys
 from tierstore.sidecar.process import Sidecar

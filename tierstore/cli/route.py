@@ -1,5 +1,6 @@
 """``tierstore route`` (ask where a turn should run) and ``tierstore router``
-(run the router service); registered by ``tierstore.cli``.
+(run the router service); their flags are in ``cli.main``, which imports
+this module only when one of them runs.
 
 ``route`` asks the hosts itself (``--hosts``, router_hosts from the config,
 or the group's live members in etcd with ``--membership``) or a running
@@ -20,77 +21,15 @@ from typing import Any
 
 import grpc
 
+from tierstore.cli.common import config_from_args
+from tierstore.config import Config
 from tierstore.errors import TierstoreError
 from tierstore.keys import KVLayout
 from tierstore.router.cost import Plan
 
 
-def add_parsers(sub: Any, add_config_flags: Any) -> None:
-    p = sub.add_parser("route", help="rank hosts for a turn by estimated time to first token")
-    p.add_argument(
-        "--layout", required=True, help="KV layout: a JSON object, or a file holding one"
-    )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--tokens",
-        metavar="FILE",
-        help="token ids: a JSON list or whitespace-separated ints ('-': stdin)",
-    )
-    src.add_argument(
-        "--random-tokens",
-        type=int,
-        metavar="N",
-        help="N random token ids (--seed), for trying it out",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed of --random-tokens")
-    hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("--hosts", help="candidates: peer host:port list, comma-separated")
-    hosts.add_argument(
-        "--membership", metavar="URL", help="candidates: the group's live members in etcd"
-    )
-    p.add_argument(
-        "--router", metavar="HOST:PORT", help="ask this router service instead of the hosts"
-    )
-    p.add_argument("--session", default="", help="session id (spill choice, stable ties)")
-    p.add_argument("--current", default="", help="host of the session's last turn")
-    p.add_argument(
-        "--load",
-        action="append",
-        default=[],
-        metavar="HOST=BUSY/SLOTS[/QUEUE]",
-        help="the gateway's view of a host's load (repeatable)",
-    )
-    p.add_argument("--explain", action="store_true", help="print the cost breakdown per host")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    add_config_flags(p)
-    p.set_defaults(func=cmd_route)
-
-    p = sub.add_parser("router", help="run the router service (gRPC) for a gateway")
-    hosts = p.add_mutually_exclusive_group()
-    hosts.add_argument("--hosts", help="candidates: peer host:port list, comma-separated")
-    hosts.add_argument(
-        "--membership",
-        metavar="URL",
-        help="candidates: the group's live members in etcd (etcd://host:port[,...]/prefix)",
-    )
-    p.add_argument("--port", type=int, default=None, dest="router_port", help="port to listen on")
-    p.add_argument("--watch", action="store_true", help="index the hosts' event streams")
-    p.add_argument(
-        "--vllm-events",
-        metavar="HOST=tcp://ENGINE:PORT[,...]",
-        help="also index vLLM's KV events of the engine behind each host (HOST: its "
-        "sidecar's peer address; ENGINE:PORT: vllm's --kv-events-config endpoint)",
-    )
-    p.add_argument(
-        "--vllm-layout", metavar="JSON|FILE", help="the engines' KV layout (with --vllm-events)"
-    )
-    add_config_flags(p)
-    p.set_defaults(func=cmd_router)
-
-
-def _config(args: argparse.Namespace) -> Any:
-    from tierstore.cli.main import _config as base_config
-
+def _config(args: argparse.Namespace) -> Config:
+    """The config, with ``route``'s and ``router``'s own flags as settings."""
     if getattr(args, "hosts", None):
         args.set.append(f"router_hosts={args.hosts}")
     if getattr(args, "membership", None):
@@ -101,7 +40,7 @@ def _config(args: argparse.Namespace) -> Any:
         args.set.append(f"router_vllm_events={args.vllm_events}")
     if getattr(args, "vllm_layout", None):
         args.set.append(f"router_vllm_layout={args.vllm_layout}")
-    return base_config(args)
+    return config_from_args(args)
 
 
 def read_layout(text: str) -> KVLayout:
