@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     from bench.common import emit
-    from tests.integration.etcd import EtcdProcess, etcd_binary
+    from harness.etcd import EtcdProcess, etcd_binary
 
     if etcd_binary() is None:
         raise SystemExit("bench/etcd_clients.py needs etcd (apt-get install etcd-server)")

@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from bench.common import emit, sidecar, wait_for_socket
-from tests.integration.etcd import EtcdProcess, etcd_binary
-from tests.integration.sidecar import free_port
+from harness.etcd import EtcdProcess, etcd_binary
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.keys import KVLayout, chain_keys
 from tierstore.membership.etcd_client import EtcdAuth, EtcdClient

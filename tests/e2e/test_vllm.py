@@ -53,6 +53,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
+from harness import REPO
+from harness.sidecar import SidecarProcess, overwrite_nvme_blocks, push_out_of_dram, start_sidecar
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import (
     WIDE_KV,
@@ -62,14 +65,6 @@ from tierstore.engines.vllm.driver import (
     tiny_llama,
 )
 from tierstore.keys import KVLayout, chain_keys
-
-from ..integration.sidecar import (
-    REPO,
-    SidecarProcess,
-    free_port,
-    overwrite_nvme_blocks,
-    push_out_of_dram,
-)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -171,7 +166,7 @@ def _sidecar_pair(
         for name, port, other in (("a", pa, pb), ("b", pb, pa)):
             root = tmp_path_factory.mktemp(f"sidecar-{name}")
             peers = ("--set", f"peer_port={port}", "--set", f"peers=127.0.0.1:{other}")
-            procs.append(SidecarProcess(root, *flags, *peers, dram=dram, nvme=nvme))
+            procs.append(start_sidecar(root, *flags, *peers, dram=dram, nvme=nvme))
         yield tuple(procs)
     finally:
         for p in procs:

@@ -31,10 +31,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
+from harness.sidecar import SidecarProcess, overwrite_nvme_blocks, push_out_of_dram
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import Output, VllmEngine, kv_transfer_config, tiny_llama
 
-from ..integration.sidecar import SidecarProcess, overwrite_nvme_blocks, push_out_of_dram
+from ..conftest import SidecarFactory
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -91,16 +92,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    root = tmp_path_factory.mktemp("sidecar")
+def sidecar(module_sidecar_factory: SidecarFactory) -> SidecarProcess:
     flags = ("--set", "dram_segment_bytes=1MiB", "--set", "nvme_segment_bytes=1MiB")
-    proc = SidecarProcess(
-        root, *flags, "--set", "shutdown_grace_s=0.5", dram="32MiB", nvme="256MiB"
+    return module_sidecar_factory(
+        *flags, "--set", "shutdown_grace_s=0.5", dram="32MiB", nvme="256MiB"
     )
-    try:
-        yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

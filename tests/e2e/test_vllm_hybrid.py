@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
+from harness.sidecar import SidecarProcess, overwrite_nvme_blocks, push_out_of_dram
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import VllmEngine, kv_transfer_config
 
-from ..integration.sidecar import SidecarProcess, overwrite_nvme_blocks, push_out_of_dram
+from ..conftest import SidecarFactory
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -69,13 +69,8 @@ def tiny_gemma3(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(tmp_path_factory.mktemp("sidecar"), dram=f"{DRAM >> 20}MiB",
-                          nvme="64MiB")  # fmt: skip
-    try:
-        yield proc
-    finally:
-        proc.stop()
+def sidecar(module_sidecar_factory: SidecarFactory) -> SidecarProcess:
+    return module_sidecar_factory(dram=f"{DRAM >> 20}MiB", nvme="64MiB")
 
 
 def plan(stats: Path) -> dict[str, int]:

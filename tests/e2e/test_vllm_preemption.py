@@ -34,18 +34,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
+from harness.sidecar import SidecarProcess
+from harness.vllm_server import BLOCK, api_server, complete, http, metrics
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import kv_transfer_config, tiny_llama
 from tierstore.keys import KVLayout, chain_keys
-
-from ..integration.sidecar import SidecarProcess
-from .vllm_server import (
-    BLOCK,
-    api_server,
-    complete,
-    http,
-    metrics,
-)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

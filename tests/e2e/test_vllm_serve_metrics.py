@@ -31,17 +31,10 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
+from harness.sidecar import SidecarProcess, start_sidecar
+from harness.vllm_server import BLOCK, api_server, complete, http, metrics
 from tierstore.cli.ports import free_port
 from tierstore.engines.vllm.driver import kv_transfer_config, tiny_llama
-
-from ..integration.sidecar import SidecarProcess
-from .vllm_server import (
-    BLOCK,
-    api_server,
-    complete,
-    http,
-    metrics,
-)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -162,7 +155,7 @@ def test_vllm_serve_events_show_block_removed_when_the_sidecar_evicts(tmp_path: 
     peer_port = free_port()
     block_bytes = 2 * 4 * 2 * 64 * BLOCK * 2  # tiny_llama: K and V, 4 layers, 2 heads of 64, bf16
     (tmp_path / "car").mkdir()
-    car = SidecarProcess(
+    car = start_sidecar(
         tmp_path / "car", "--set", f"peer_port={peer_port}", "--set", f"peer_token={TOKEN}",
         "--set", "watch_heartbeat_s=0.5", dram=str(7 * block_bytes), nvme="0",
     )  # fmt: skip

@@ -25,10 +25,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]', see README)")
 
+from harness.sidecar import SidecarProcess
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import VllmEngine, kv_transfer_config, tiny_llama
-
-from ..integration.sidecar import SidecarProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -4,15 +4,13 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
+from harness.sidecar import SidecarProcess
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.layout import ConnectorSettings
 from tierstore.engines.vllm.link import StoreLink
@@ -20,7 +18,7 @@ from tierstore.engines.vllm.plan import LoadSpec, SaveSpec
 from tierstore.engines.vllm.worker import ConnectorWorker
 from tierstore.keys import KVLayout, chain_keys
 
-from ..integration.sidecar import SidecarProcess
+from ..conftest import SidecarFactory
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 BT, HEADS, HD = 16, 2, 8
@@ -43,13 +41,8 @@ def worker(
 
 
 @pytest.fixture
-def sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(tmp_path, "--set", "shutdown_grace_s=0.5", dram="4MiB")
-    yield proc
-    proc.stop()
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(f"tierstore-{proc.proc.pid}-"):
-            os.unlink(os.path.join("/dev/shm", name))
+def sidecar(sidecar_factory: SidecarFactory) -> SidecarProcess:
+    return sidecar_factory("--set", "shutdown_grace_s=0.5", dram="4MiB")
 
 
 def save(w: ConnectorWorker, keys: list, block_ids: tuple[int, ...], layers: list[str]) -> None:

@@ -3,24 +3,21 @@ vLLM connector copies each layer of a block into its slot as vLLM computes it)."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from harness.sidecar import SidecarProcess
 from tierstore.client import ReserveStatus, StoreClient
 from tierstore.errors import TierstoreError
 from tierstore.keys import KVLayout, chain_keys
 
-from .sidecar import SidecarProcess
+from ..conftest import SidecarFactory
 
 LAYOUT = KVLayout("reserve-test", 2, 2, 64, "float16", 8)  # 8 KiB blocks
 
 
 @pytest.fixture
-def sidecar(tmp_path: Path):  # type: ignore[no-untyped-def]
-    proc = SidecarProcess(tmp_path, "--set", "shutdown_grace_s=0.5", dram="1MiB")
-    yield proc
-    proc.stop()
+def sidecar(sidecar_factory: SidecarFactory) -> SidecarProcess:
+    return sidecar_factory("--set", "shutdown_grace_s=0.5", dram="1MiB")
 
 
 def test_reserved_slots_filled_in_place_commit_and_abort(sidecar: SidecarProcess) -> None:

@@ -10,18 +10,16 @@ the engine's copies; close unpins the arena and leaves no CUDA error.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
+from harness.sidecar import SidecarProcess
 from tierstore.client import StoreClient, cuda
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.tiers import TierName
 
-from .sidecar import SidecarProcess
+from ..conftest import SidecarFactory
 
 pytestmark = pytest.mark.cuda
 
@@ -42,10 +40,8 @@ def device_blocks(n: int, seed: int) -> torch.Tensor:
 
 
 @pytest.fixture
-def sidecar(tmp_path: Path) -> Iterator[SidecarProcess]:
-    proc = SidecarProcess(tmp_path, "--set", "shutdown_grace_s=0.5", dram="16MiB", nvme="64MiB")
-    yield proc
-    proc.stop()
+def sidecar(sidecar_factory: SidecarFactory) -> SidecarProcess:
+    return sidecar_factory("--set", "shutdown_grace_s=0.5", dram="16MiB", nvme="64MiB")
 
 
 def test_blocks_round_trip_byte_exact_through_the_pinned_arena(sidecar: SidecarProcess) -> None:

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import torch
 
+from harness import REPO
+from harness.sidecar import SidecarProcess
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.keys import BlockKey, chain_keys
 from tierstore.v1 import common_pb2, local_pb2
 
-from ..conftest import SMALL_LAYOUT
-from .sidecar import REPO, SidecarProcess, free_port
+from ..conftest import SMALL_LAYOUT, SidecarFactory
 
 BLOCK = SMALL_LAYOUT.block_bytes
 
@@ -47,12 +49,11 @@ def wait_for(predicate, timeout_s: float = 10.0):
 
 
 @pytest.fixture
-def sidecar(tmp_path):
+def sidecar(sidecar_factory: SidecarFactory) -> SidecarProcess:
     port = free_port()
-    proc = SidecarProcess(tmp_path, "--metrics-port", str(port))
-    proc.metrics_port = port
-    yield proc
-    proc.stop()
+    proc = sidecar_factory("--metrics-port", str(port))
+    proc.metrics_port = port  # type: ignore[attr-defined]
+    return proc
 
 
 def test_hbm_pools_are_summed_shown_and_forgotten(sidecar: SidecarProcess) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from harness.sidecar import SidecarProcess
 from tierstore.client import StoreClient
 from tierstore.client.fastpath import FastLookupClient
 from tierstore.errors import LayoutError
@@ -25,15 +26,12 @@ from tierstore.fastwire import (
 from tierstore.keys import chain_keys
 from tierstore.tiers import TierName
 
-from ..conftest import SMALL_LAYOUT
-from .sidecar import SidecarProcess
+from ..conftest import SMALL_LAYOUT, SidecarFactory
 
 
 @pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory):
-    proc = SidecarProcess(tmp_path_factory.mktemp("fast"), "--set", "max_batch_keys=64")
-    yield proc
-    proc.stop()
+def sidecar(module_sidecar_factory: SidecarFactory) -> SidecarProcess:
+    return module_sidecar_factory("--set", "max_batch_keys=64")
 
 
 def _raw(sidecar: SidecarProcess) -> socket.socket:

@@ -28,22 +28,24 @@ import numpy as np
 import pytest
 import torch
 
+from harness import REPO
+from harness.etcd import MISSING, EtcdProcess, etcd_binary
+from harness.sidecar import SidecarProcess, start_sidecar
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.config import PeerConfig, RouterConfig, parse_membership
 from tierstore.keys import BlockKey, chain_keys
 from tierstore.membership.etcd_client import EtcdAuth, EtcdClient
 from tierstore.membership.members import decode_member
-from tierstore.policies import rendezvous_target
+from tierstore.policies.replication import rendezvous_target
 from tierstore.router.router import Router
 from tierstore.v1 import router_pb2, router_pb2_grpc
 from tierstore.wire import layout_to_proto
 
 from ..conftest import SMALL_LAYOUT
-from .etcd import SKIP_REASON, EtcdProcess, etcd_binary
-from .sidecar import REPO, SidecarProcess, free_port
 from .test_peers import fp16_blocks, kill, stop_all
 
-pytestmark = pytest.mark.skipif(etcd_binary() is None, reason=SKIP_REASON)
+pytestmark = pytest.mark.skipif(etcd_binary() is None, reason=MISSING)
 
 L = SMALL_LAYOUT
 TOKEN = "membership-test-token"
@@ -86,7 +88,7 @@ class Fleet:
         address = f"127.0.0.1:{port}"
         root = self.root / name
         root.mkdir()
-        self.hosts[address] = SidecarProcess(
+        self.hosts[address] = start_sidecar(
             root,
             "--set", f"peer_port={port}", "--set", f"peer_token={TOKEN}",
             "--set", "min_tokens=64", "--set", "shutdown_grace_s=0.5",

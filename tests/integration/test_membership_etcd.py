@@ -22,15 +22,16 @@ from pathlib import Path
 
 import pytest
 
+from harness import REPO
+from harness.etcd import MISSING, EtcdProcess, etcd_binary
+from tierstore.cli.ports import free_port
 from tierstore.config import PeerConfig
 from tierstore.membership.etcd import EtcdMembers, describe_host
 
 from ..conftest import SMALL_LAYOUT
-from .etcd import SKIP_REASON, EtcdProcess, etcd_binary
-from .sidecar import REPO, free_port
 from .test_peer_tls import _certs
 
-pytestmark = pytest.mark.skipif(etcd_binary() is None, reason=SKIP_REASON)
+pytestmark = pytest.mark.skipif(etcd_binary() is None, reason=MISSING)
 
 WAIT_S = 20.0
 SECRET = "s3cret-etcd-password"
@@ -88,71 +89,54 @@ def test_mtls_to_etcd(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("etcdctl") is None, reason="needs etcdctl (etcd-client)")
-def test_credentials_from_a_file(tmp_path: Path) -> None:
-    (tmp_path / "etcd").mkdir()
-    etcd = EtcdProcess(tmp_path / "etcd")
-    try:
-        etcd.etcdctl("user", "add", "root:rootpw", "--interactive=false")
-        etcd.etcdctl("user", "add", f"tierstore:{SECRET}", "--interactive=false")
-        etcd.etcdctl("role", "add", "tierstore")
-        etcd.etcdctl(
-            "role", "grant-permission", "tierstore", "readwrite", "/auth/", "--prefix=true"
-        )
-        etcd.etcdctl("user", "grant-role", "tierstore", "tierstore")
-        etcd.etcdctl("auth", "enable")
-        cred = tmp_path / "etcd-credentials"
-        cred.write_text(f"tierstore:{SECRET}\n")
-        cred.chmod(0o600)
-        url = f"etcd://{etcd.endpoint}/auth"
-        # etcd checks a password with bcrypt (~0.1 s of CPU a call): give each
-        # call time for that on a busy 2-core machine.
-        auth = {
-            "membership_credentials_file": str(cred),
-            "membership_ttl_s": 8,
-            "membership_timeout_s": 3.0,
-        }
-        with members(url, True, **auth) as a, members(url, False, **auth) as watcher:
-            wait_for("the watcher sees the member", lambda: len(watcher.addresses()) == 1)
-            assert a.counters.registered == 1 and a.counters.etcd_errors == 0
-            values = etcd.etcdctl("--user", "root:rootpw", "get", "--prefix", "/auth/")
-            assert watcher.addresses()[0] in values
-            assert SECRET not in values and "rootpw" not in values  # nothing secret stored
-        with members(url, False) as anonymous:  # no credentials: refused, counted
-            wait_for("the refusal is counted", lambda: anonymous.counters.etcd_errors > 0)
-            assert anonymous.addresses() == [] and anonymous.counters.etcd_up == 0
-    finally:
-        etcd.stop()
+def test_credentials_from_a_file(etcd: EtcdProcess, tmp_path: Path) -> None:
+    etcd.etcdctl("user", "add", "root:rootpw", "--interactive=false")
+    etcd.etcdctl("user", "add", f"tierstore:{SECRET}", "--interactive=false")
+    etcd.etcdctl("role", "add", "tierstore")
+    etcd.etcdctl("role", "grant-permission", "tierstore", "readwrite", "/auth/", "--prefix=true")
+    etcd.etcdctl("user", "grant-role", "tierstore", "tierstore")
+    etcd.etcdctl("auth", "enable")
+    cred = tmp_path / "etcd-credentials"
+    cred.write_text(f"tierstore:{SECRET}\n")
+    cred.chmod(0o600)
+    url = f"etcd://{etcd.endpoint}/auth"
+    # etcd checks a password with bcrypt (~0.1 s of CPU a call): give each
+    # call time for that on a busy 2-core machine.
+    auth = {
+        "membership_credentials_file": str(cred),
+        "membership_ttl_s": 8,
+        "membership_timeout_s": 3.0,
+    }
+    with members(url, True, **auth) as a, members(url, False, **auth) as watcher:
+        wait_for("the watcher sees the member", lambda: len(watcher.addresses()) == 1)
+        assert a.counters.registered == 1 and a.counters.etcd_errors == 0
+        values = etcd.etcdctl("--user", "root:rootpw", "get", "--prefix", "/auth/")
+        assert watcher.addresses()[0] in values
+        assert SECRET not in values and "rootpw" not in values  # nothing secret stored
+    with members(url, False) as anonymous:  # no credentials: refused, counted
+        wait_for("the refusal is counted", lambda: anonymous.counters.etcd_errors > 0)
+        assert anonymous.addresses() == [] and anonymous.counters.etcd_up == 0
 
 
-def test_a_dead_first_endpoint_is_skipped(tmp_path: Path) -> None:
-    (tmp_path / "etcd").mkdir()
-    etcd = EtcdProcess(tmp_path / "etcd")
-    try:
-        url = f"etcd://127.0.0.1:{free_port()},{etcd.endpoint}/failover"
-        with members(url, True) as a, members(url, False) as watcher:
-            wait_for("the watcher sees the member", lambda: len(watcher.addresses()) == 1)
-            wait_for("the member registered", lambda: a.counters.registered == 1)
-            assert a.etcd.endpoint == etcd.endpoint
-    finally:
-        etcd.stop()
+def test_a_dead_first_endpoint_is_skipped(etcd: EtcdProcess) -> None:
+    url = f"etcd://127.0.0.1:{free_port()},{etcd.endpoint}/failover"
+    with members(url, True) as a, members(url, False) as watcher:
+        wait_for("the watcher sees the member", lambda: len(watcher.addresses()) == 1)
+        wait_for("the member registered", lambda: a.counters.registered == 1)
+        assert a.etcd.endpoint == etcd.endpoint
 
 
-def test_a_deleted_record_is_put_back(tmp_path: Path) -> None:
-    (tmp_path / "etcd").mkdir()
-    etcd = EtcdProcess(tmp_path / "etcd")
-    try:
-        url = f"etcd://{etcd.endpoint}/deleted"
-        with members(url, True) as a, members(url, False) as watcher:
-            wait_for("the watcher sees the member", lambda: len(watcher.addresses()) == 1)
-            key = a.url.member_key(a.cfg.group, a.cfg.address())
-            leases = a.counters.registrations
-            a.etcd.delete(key)  # an operator's `etcdctl del`, say
-            wait_for("the record is back", lambda: len(a.etcd.range_prefix(key).kvs) == 1)
-            wait_for("the watcher sees it again", lambda: len(watcher.addresses()) == 1)
-            assert a.counters.registrations == leases  # the same lease: no rejoin needed
-            assert watcher.counters.leaves >= 1 and watcher.counters.joins >= 2
-    finally:
-        etcd.stop()
+def test_a_deleted_record_is_put_back(etcd: EtcdProcess) -> None:
+    url = f"etcd://{etcd.endpoint}/deleted"
+    with members(url, True) as a, members(url, False) as watcher:
+        wait_for("the watcher sees the member", lambda: len(watcher.addresses()) == 1)
+        key = a.url.member_key(a.cfg.group, a.cfg.address())
+        leases = a.counters.registrations
+        a.etcd.delete(key)  # an operator's `etcdctl del`, say
+        wait_for("the record is back", lambda: len(a.etcd.range_prefix(key).kvs) == 1)
+        wait_for("the watcher sees it again", lambda: len(watcher.addresses()) == 1)
+        assert a.counters.registrations == leases  # the same lease: no rejoin needed
+        assert watcher.counters.leaves >= 1 and watcher.counters.joins >= 2
 
 
 def test_route_with_no_reachable_etcd_says_so() -> None:

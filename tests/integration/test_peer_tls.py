@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from harness.sidecar import start_sidecar
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.keys import chain_keys
 from tierstore.v1 import peer_pb2, peer_pb2_grpc
 
 from ..conftest import SMALL_LAYOUT
-from .sidecar import SidecarProcess, free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 
@@ -49,10 +50,10 @@ def test_pull_and_push_over_mtls_and_refusals(tmp_path: Path) -> None:
            "--set", "min_tokens=64"]  # fmt: skip
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    a = SidecarProcess(tmp_path / "a", "--set", f"peer_port={pa}", "--set",
+    a = start_sidecar(tmp_path / "a", "--set", f"peer_port={pa}", "--set",
                        f"peers=127.0.0.1:{pb}", "--set", "peer_host=0.0.0.0",
                        "--set", f"advertise=127.0.0.1:{pa}", *tls)  # fmt: skip
-    b = SidecarProcess(tmp_path / "b", "--set", f"peer_port={pb}", "--set",
+    b = start_sidecar(tmp_path / "b", "--set", f"peer_port={pb}", "--set",
                        f"peers=127.0.0.1:{pa}", *tls)  # fmt: skip
     try:
         keys = chain_keys(SMALL_LAYOUT, np.arange(8 * 24))

@@ -4,7 +4,7 @@ replica budget, token authentication, the plaintext warning, transfers with
 compression forced on, and a peer that lies, stalls, drips or dies (each
 counted apart: errors for dead, timeouts for stalled).
 
-Sidecars are real `tierstore serve` processes (tests/integration/sidecar.py);
+Sidecars are real `tierstore serve` processes (harness/sidecar.py);
 the lying peer is tests/integration/fakepeer.py, in this process. Every wait
 is bounded; every process and arena this file starts is gone when it ends.
 """
@@ -32,17 +32,19 @@ import numpy as np
 import pytest
 import torch
 
+from harness import REPO
+from harness.sidecar import SidecarProcess, remove_arenas, start_sidecar
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.peer import codec
-from tierstore.policies import rendezvous_target
+from tierstore.policies.replication import rendezvous_target
 from tierstore.tiers import TierName
 from tierstore.v1 import peer_pb2, peer_pb2_grpc
 from tierstore.wire import layout_to_proto
 
 from ..conftest import SMALL_LAYOUT
 from .fakepeer import FakePeer
-from .sidecar import REPO, SidecarProcess, free_port
 
 L: KVLayout = SMALL_LAYOUT  # 8 KiB blocks of 8 tokens
 BLOCK = L.block_bytes
@@ -76,15 +78,12 @@ def start(
     args = ["--set", f"peer_port={port}", *COMMON, *extra]
     if peers:
         args += ["--set", "peers=" + ",".join(addr(p) for p in peers)]
-    proc = SidecarProcess(root, *args, dram=dram, nvme=nvme)
-    proc.restart_args = (root, port, peers, extra, dram, nvme)  # type: ignore[attr-defined]
-    return proc
+    return start_sidecar(root, *args, dram=dram, nvme=nvme)
 
 
 def restart(proc: SidecarProcess) -> SidecarProcess:
-    root, port, peers, extra, dram, nvme = proc.restart_args  # type: ignore[attr-defined]
-    proc.log.close()
-    return start(root, port, peers, *extra, dram=dram, nvme=nvme)
+    proc.start()  # the same command line, on the same files
+    return proc
 
 
 def stop_all(*procs: SidecarProcess) -> None:
@@ -123,12 +122,6 @@ def kill(proc: SidecarProcess) -> None:
     proc.proc.wait(10)
     remove_arenas(proc.proc.pid)
     proc.socket.unlink(missing_ok=True)  # else the next sidecar looks ready before it is
-
-
-def remove_arenas(pid: int) -> None:
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(f"tierstore-{pid}-"):
-            os.unlink(os.path.join("/dev/shm", name))
 
 
 def tokens(n_blocks: int, base: int) -> np.ndarray:
@@ -540,7 +533,7 @@ def test_plaintext_peer_port_beyond_loopback_warns(trio: Trio, tmp_path: Path) -
 
 def test_peer_port_without_token_refuses_to_start(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as e:
-        SidecarProcess(tmp_path, "--set", f"peer_port={free_port()}")
+        start_sidecar(tmp_path, "--set", f"peer_port={free_port()}")
     assert "no peer_token" in str(e.value)
 
 

@@ -28,15 +28,15 @@ import numpy as np
 import pytest
 import torch
 
+from harness import REPO
+from harness.seaweed import ACCESS_KEY, SECRET_KEY, FaultProxy
+from harness.sidecar import SidecarProcess, serve_args, start_sidecar
 from tests.conftest import SMALL_LAYOUT
-from tests.seaweed import ACCESS_KEY, SECRET_KEY, FaultProxy
 from tierstore.client import StoreClient
 from tierstore.config import StoreConfig
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.store.tiered import TieredStore
 from tierstore.tiers import TierName
-
-from .sidecar import REPO, SidecarProcess, serve_args
 
 pytestmark = pytest.mark.timeout(180)
 L: KVLayout = SMALL_LAYOUT
@@ -63,7 +63,7 @@ def sidecars(tmp_path: Path) -> Iterator[Callable[..., SidecarProcess]]:
     ) -> SidecarProcess:
         root = tmp_path / name
         root.mkdir(exist_ok=True)
-        proc = SidecarProcess(
+        proc = start_sidecar(
             root, "--remote-url", url, "--remote-endpoint", endpoint,
             "--set", "remote_min_tokens=64", "--set", "remote_request_timeout_s=2",
             "--set", "remote_max_retries=2", "--set", "shutdown_grace_s=0.5",
@@ -290,7 +290,7 @@ def test_gc_by_two_hosts_never_serves_a_wrong_block(
 
 
 def test_prefetch_pre_positions_from_peers_and_from_the_bucket(s3_env: Any, sidecars: Any) -> None:
-    from .sidecar import free_port
+    from tierstore.cli.ports import free_port
 
     ports = [free_port(), free_port()]
 

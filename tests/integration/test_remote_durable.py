@@ -23,14 +23,13 @@ import numpy as np
 import pytest
 import torch
 
+from harness.seaweed import ACCESS_KEY, SECRET_KEY, FaultProxy
+from harness.sidecar import SidecarProcess, start_sidecar
 from tests.conftest import SMALL_LAYOUT
-from tests.seaweed import ACCESS_KEY, SECRET_KEY, FaultProxy
 from tierstore.cli.stat import _stat_dict, format_stat
 from tierstore.client import StoreClient
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.tiers import TierName
-
-from .sidecar import SidecarProcess
 
 pytestmark = pytest.mark.timeout(180)
 L: KVLayout = SMALL_LAYOUT
@@ -54,7 +53,7 @@ def hosts(
     def start(name: str, *extra: str, endpoint: str = "") -> SidecarProcess:
         root = tmp_path / name
         root.mkdir()
-        proc = SidecarProcess(
+        proc = start_sidecar(
             root, "--remote-url", url, "--remote-endpoint", endpoint or seaweed.endpoint,
             "--set", "remote_request_timeout_s=2", "--set", "remote_max_retries=1",
             "--set", "remote_upload_backoff_s=0.1", "--set", "remote_upload_backoff_max_s=0.2",
@@ -159,7 +158,7 @@ def test_a_plain_end_turn_is_lost_by_a_sigkill_before_the_bucket_has_it(
 
 def test_a_durable_end_turn_without_a_remote_tier_says_so(tmp_path: Path) -> None:
     keys, data = blocks_of(4, 4)
-    p = SidecarProcess(tmp_path)
+    p = start_sidecar(tmp_path)
     try:
         with StoreClient(str(p.socket)) as c:
             assert all(c.store(L, keys, data))

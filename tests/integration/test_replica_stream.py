@@ -10,7 +10,7 @@ between real sidecars on loopback.
 - a block's blake3 digest is computed once, on the host that committed it:
   the sender of a fetch and the receiver's store never hash it again.
 
-Sidecars are real ``tierstore serve`` processes (tests/integration/sidecar.py);
+Sidecars are real ``tierstore serve`` processes (harness/sidecar.py);
 every wait is bounded and every process started here is stopped.
 """
 
@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 
-from .sidecar import free_port
 from .test_peers import (
     BLOCK,
     MIN_TOKENS,

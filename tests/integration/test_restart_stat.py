@@ -14,11 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
+from harness import REPO
+from harness.sidecar import start_sidecar
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.keys import chain_keys
 
 from ..conftest import SMALL_LAYOUT
-from .sidecar import REPO, SidecarProcess, free_port
 
 
 def stat_cli(socket: Path, *flags: str) -> str:
@@ -31,7 +33,7 @@ def test_stat_and_metrics_show_writes_drain_and_arena(tmp_path: Path) -> None:
     keys = chain_keys(SMALL_LAYOUT, np.arange(8 * 20))
     data = np.random.default_rng(0).integers(0, 255, (20, SMALL_LAYOUT.block_bytes), np.uint8)
     port = free_port()
-    proc = SidecarProcess(
+    proc = start_sidecar(
         tmp_path, "--metrics-port", str(port), "--set", "write_policy=write_through",
         dram="4MiB",
     )  # fmt: skip
@@ -56,7 +58,7 @@ def test_stat_and_metrics_show_writes_drain_and_arena(tmp_path: Path) -> None:
             assert "tierstore_write_queued_total 20.0" in text
     finally:
         assert proc.stop() == 0
-    again = SidecarProcess(tmp_path, "--set", "write_policy=write_back", dram="4MiB")
+    again = start_sidecar(tmp_path, "--set", "write_policy=write_back", dram="4MiB")
     try:
         with StoreClient(str(again.socket)) as client:
             assert client.lookup(SMALL_LAYOUT, keys).num_hits == 20

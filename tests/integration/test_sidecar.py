@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 import torch
 
+from harness import REPO
+from harness.sidecar import SidecarProcess, start_sidecar
+from tierstore.cli.ports import free_port
 from tierstore.client import PrefetchResult, StoreClient
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.tiers import TierName
 
-from ..conftest import SMALL_LAYOUT
-from .sidecar import REPO, SidecarProcess, free_port
+from ..conftest import SMALL_LAYOUT, SidecarFactory
 
 DRAM, NVME, HBM = TierName.DRAM, TierName.NVME, TierName.HBM
 
@@ -36,10 +38,8 @@ def keys_for(n: int, start: int = 0) -> list[BlockKey]:
 
 
 @pytest.fixture
-def sidecar(tmp_path):
-    proc = SidecarProcess(tmp_path)
-    yield proc
-    proc.stop()
+def sidecar(sidecar_factory: SidecarFactory) -> SidecarProcess:
+    return sidecar_factory()
 
 
 @pytest.mark.parametrize("failing", ["ArenaCopier", "HbmTier", "Prefetcher", "TierReporter"])
@@ -255,7 +255,7 @@ def test_prefetch_timeout_is_base_plus_per_1k_tokens(
     deadline: prefetch_timeout_base_s + prefetch_timeout_per_1k_tokens_s *
     tokens / 1000. The values make each outcome certain, not a race."""
     keys, data = keys_for(200, start=50000), blocks(200, seed=7)
-    proc = SidecarProcess(
+    proc = start_sidecar(
         tmp_path,
         "--set",
         f"prefetch_timeout_base_s={base_s}",
@@ -392,7 +392,7 @@ def test_second_sidecar_is_refused(sidecar: SidecarProcess, tmp_path) -> None:
 
 def test_sigterm_shuts_down_cleanly_and_restart_keeps_nvme(tmp_path) -> None:
     keys, data = keys_for(200, start=70000), blocks(200, seed=6)
-    proc = SidecarProcess(tmp_path)
+    proc = start_sidecar(tmp_path)
     with StoreClient(str(proc.socket)) as client:
         for lo in range(0, 200, 50):
             client.store(SMALL_LAYOUT, keys[lo : lo + 50], data[lo : lo + 50])
@@ -400,7 +400,7 @@ def test_sigterm_shuts_down_cleanly_and_restart_keeps_nvme(tmp_path) -> None:
     assert on_nvme[:10] == list(range(10))
     assert proc.stop() == 0
     assert not proc.socket.exists()
-    proc = SidecarProcess(tmp_path)
+    proc = start_sidecar(tmp_path)
     try:
         with StoreClient(str(proc.socket)) as client:
             res = client.load(SMALL_LAYOUT, keys[: len(on_nvme)])
@@ -417,7 +417,7 @@ def test_metrics_and_health(tmp_path) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     port = free_port()
-    proc = SidecarProcess(tmp_path, "--metrics-port", str(port))
+    proc = start_sidecar(tmp_path, "--metrics-port", str(port))
     try:
         with StoreClient(str(proc.socket)) as client:
             client.store(SMALL_LAYOUT, keys_for(2), blocks(2))
@@ -504,7 +504,7 @@ def test_sigterm_during_heavy_writes_keeps_what_it_acknowledged(tmp_path) -> Non
     flight): the sidecar exits cleanly (status 0), and after a restart it
     serves what reached NVMe, every block the writer's bytes, none failing
     its digest (a batch cut by the signal is gone whole, never half there)."""
-    proc = SidecarProcess(tmp_path)
+    proc = start_sidecar(tmp_path)
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(proc.socket)],
         stdout=subprocess.PIPE, text=True, cwd=REPO,
@@ -521,7 +521,7 @@ def test_sigterm_during_heavy_writes_keeps_what_it_acknowledged(tmp_path) -> Non
         out, _ = writer.communicate(timeout=60)
     acknowledged = [int(line) for line in out.split()]
     assert len(acknowledged) >= 5
-    proc = SidecarProcess(tmp_path)
+    proc = start_sidecar(tmp_path)
     try:
         with StoreClient(str(proc.socket)) as client:
             served = 0

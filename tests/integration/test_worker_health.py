@@ -15,15 +15,16 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tierstore.cli.ports import free_port
 from tierstore.cli.stat import _stat_dict, format_stat
 from tierstore.config import Config, PeerConfig, ServerConfig, StoreConfig
 from tierstore.keys import chain_keys
 from tierstore.sidecar.process import Sidecar
-from tierstore.sidecar.service import SERVICE_NAME, stat_reply
+from tierstore.sidecar.service import SERVICE_NAME
+from tierstore.sidecar.stat import stat_reply
 from tierstore.v1 import local_pb2, local_pb2_grpc
 
 from ..conftest import SMALL_LAYOUT
-from .sidecar import free_port
 
 WAIT_S = 10.0
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import fcntl
 import os
 import select
@@ -42,7 +41,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-CLONE_NEWNET = 0x40000000
+from harness.netns import enter_netns
+
 SKF_AD_RANDOM = (-0x1000 + 56) & 0xFFFFFFFF  # classic BPF ancillary load: a random u32
 TC_ACT_OK, TC_ACT_SHOT = 0, 2
 POLL_S = 0.1  # how often the delay line's threads look at the stop flag
@@ -100,18 +100,6 @@ def listening_ports(pid: int, host: str) -> set[int]:
                 if addr == addr_hex and fields[3] == "0A":  # TCP_LISTEN
                     ports.add(int(port, 16))
     return ports
-
-
-def enter_netns(ns: str) -> None:
-    """Move the calling thread (only) into network namespace ``ns``."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({ns}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 class DelayLine:

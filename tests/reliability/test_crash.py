@@ -26,13 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.client import StoreClient
-
-from .harness import (
+from harness.reliability import (
     LAYOUT,
     SERVE_TIMEOUT_S,
-    Sidecar,
-    arenas_of,
+    SETTINGS,
     count_wrong,
     crash_loader,
     crash_writer,
@@ -42,6 +39,8 @@ from .harness import (
     stop_forkserver,
     workers,
 )
+from harness.sidecar import SidecarProcess, arenas_of
+from tierstore.client import StoreClient
 
 KILLS = 10  # kills under traffic; STARTUP_KILL_CYCLES add one each during start-up
 STARTUP_KILL_CYCLES = (3, 7)
@@ -57,18 +56,18 @@ def _forkserver() -> Iterator[None]:
     stop_forkserver()
 
 
-def wait_for_stores(log: Path, count: int, sidecar: Sidecar) -> int:
+def wait_for_stores(log: Path, count: int, sidecar: SidecarProcess) -> int:
     deadline = time.monotonic() + TRAFFIC_WAIT_S
     while time.monotonic() < deadline:
         stored = sum(1 for e in read_events(log) if e["op"] == "store")
         if stored >= count:
             return stored
-        assert sidecar.alive(), sidecar.log()[-2000:]
+        assert sidecar.alive(), sidecar.output()[-2000:]
         time.sleep(0.01)
     pytest.fail(f"writer reported fewer than {count} stores in {TRAFFIC_WAIT_S} s")
 
 
-def verify_listed(sidecar: Sidecar, keys: list[bytes]) -> tuple[int, int, list[bytes]]:
+def verify_listed(sidecar: SidecarProcess, keys: list[bytes]) -> tuple[int, int, list[bytes]]:
     """Load every listed key: (loaded, wrong, keys that did not load)."""
     loaded = wrong = 0
     missing: list[bytes] = []
@@ -89,7 +88,7 @@ def verify_listed(sidecar: Sidecar, keys: list[bytes]) -> tuple[int, int, list[b
 
 def test_sigkill_under_write_and_eviction_traffic(tmp_path: Path) -> None:
     rng = random.Random(20260701)
-    sidecar = Sidecar(tmp_path, dram="1MiB", nvme="4MiB")
+    sidecar = SidecarProcess(tmp_path, settings=SETTINGS, dram="1MiB", nvme="4MiB")
     ctx = workers()
     procs: list = []
     restart_s: list[float] = []

@@ -45,10 +45,11 @@ from pathlib import Path
 
 import pytest
 
+from harness import REPO
+from harness.reliability import LAYOUT, SETTINGS, blocks_of, chain, count_wrong
+from harness.sidecar import SidecarProcess, arenas_of
 from tierstore.client import StoreClient
 from tierstore.tiers import TierName
-
-from .harness import LAYOUT, REPO, Sidecar, arenas_of, blocks_of, chain, count_wrong
 
 CHAIN_BLOCKS = 32
 FULL_BACKOFF_S = 0.2  # nvme_full_backoff_s of the full-disk sidecar
@@ -107,16 +108,16 @@ def check_truthful(client: StoreClient, keys: list[bytes]) -> tuple[int, int]:
     return held, missing
 
 
-def log_line(sidecar: Sidecar, pattern: str) -> str:
+def log_line(sidecar: SidecarProcess, pattern: str) -> str:
     """The first line of the sidecar's log matching ``pattern`` (a regex); fails without one."""
-    for line in sidecar.log().splitlines():
+    for line in sidecar.output().splitlines():
         if re.search(pattern, line):
             return line
-    raise AssertionError(f"no log line matches {pattern!r}:\n{sidecar.log()[-3000:]}")
+    raise AssertionError(f"no log line matches {pattern!r}:\n{sidecar.output()[-3000:]}")
 
 
 def store_until_resumed(
-    sidecar: Sidecar, client: StoreClient, first_seed: int
+    sidecar: SidecarProcess, client: StoreClient, first_seed: int
 ) -> tuple[float, int]:
     """Store one chain at a time until ``nvme_full_resumed`` counts the lifted
     cap; returns (seconds it took, chains stored). Fails past the bound."""
@@ -139,10 +140,10 @@ def store_until_resumed(
 def test_full_disk(tmp_path: Path, small_disk: Path) -> None:
     ballast = small_disk / "ballast"  # the operator's other files on that disk
     ballast.write_bytes(b"\1" * (3 << 20))
-    sidecar = Sidecar(
+    sidecar = SidecarProcess(
         tmp_path, "--set", "nvme_index_reserve_bytes=1MiB",
         "--set", f"nvme_full_backoff_s={FULL_BACKOFF_S}",
-        dram="1MiB", nvme="64MiB", nvme_dir=small_disk / "nvme",
+        settings=SETTINGS, dram="1MiB", nvme="64MiB", nvme_dir=small_disk / "nvme",
     )  # fmt: skip
     sidecar.start()
     try:
@@ -170,7 +171,7 @@ def test_full_disk(tmp_path: Path, small_disk: Path) -> None:
             assert stuck[0]["spilled_blocks"] > full[0]["spilled_blocks"], (full[0], stuck[0])
             assert stuck[1].evictions > full[1].evictions
             assert stuck[0]["nvme_disk_full"] == 1
-            assert "NVMe index commit" not in sidecar.log()
+            assert "NVMe index commit" not in sidecar.output()
             capped = stuck[1].used_bytes
 
             # Room freed (the ballast goes): the first spill once the look is
@@ -229,7 +230,7 @@ def nvme_keys(client: StoreClient, seeds: range) -> list[bytes]:
 
 
 def test_data_file_corrupted_truncated_deleted(tmp_path: Path) -> None:
-    sidecar = Sidecar(tmp_path, dram="1MiB", nvme="16MiB")
+    sidecar = SidecarProcess(tmp_path, settings=SETTINGS, dram="1MiB", nvme="16MiB")
     data = sidecar.nvme_dir / "blocks.dat"
     sidecar.start()
     try:
@@ -277,7 +278,7 @@ def test_data_file_corrupted_truncated_deleted(tmp_path: Path) -> None:
         sidecar.start()
         with StoreClient(str(sidecar.socket)) as client:
             assert check_truthful(client, on_nvme[::7] + again[:10])[0] == 0
-        assert "dropped" in sidecar.log()
+        assert "dropped" in sidecar.output()
         print(
             f"\ncorrupted/truncated/deleted: verify_failures {counts[0]}, read_failures "
             f"{counts[1]}, 0 wrong bytes; deleted data file on restart: logged 'dropped ... "

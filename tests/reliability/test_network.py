@@ -47,10 +47,13 @@ from pathlib import Path
 
 import pytest
 
+from harness import REPO, child_env
+from harness.netns import Network, Shape, add_namespace, delete_namespace, ip
+from harness.reliability import BLOCK, LAYOUT, SETTINGS, blocks_of, chain, count_wrong
+from harness.sidecar import SidecarProcess
 from tierstore.client import StoreClient
 from tierstore.tiers import TierName
 
-from .harness import BLOCK, LAYOUT, REPO, Sidecar, blocks_of, chain, count_wrong
 from .relay import DelayLine, drop_random, listening_ports, stop_dropping, tcp_retransmits
 
 pytestmark = pytest.mark.skipif(
@@ -59,9 +62,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOKEN = "reliability-net-token"
-ADDR_A, ADDR_B = "10.201.0.1", "10.201.0.2"
-ADDR_B2 = "10.201.0.4"  # B2's own namespace: reached from A only over the delay line
-DEV_A, DEV_B = "tsrel0", "tsrel1"
+SUBNET = "10.201.0"
+ADDR_A, ADDR_B = f"{SUBNET}.1", f"{SUBNET}.2"
+ADDR_B2 = f"{SUBNET}.4"  # B2's own namespace: reached from A only over the delay line
 TUN_A, TUN_B2 = "tsdly0", "tsdly1"  # the delay line's ends in A's and B2's namespaces
 PORT, PORT2 = 7700, 7701  # peer ports of A/B and of A2/B2
 PULL_BLOCKS = 512  # 4 MiB
@@ -72,28 +75,25 @@ B_DRAM_BLOCKS = 1024  # 8 MiB
 DELAY_S = 0.1  # added one-way latency of the delay line (a round trip pays it twice)
 
 
-def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True, timeout=20)
-
-
-def tc(ns: str, *args: str, check: bool = True) -> None:
-    subprocess.run(
-        ["ip", "netns", "exec", ns, "tc", *args], check=check, capture_output=True, timeout=20
-    )
-
-
 @dataclass
 class Pair:
-    ns_a: str
-    ns_b: str
-    a: Sidecar
-    b: Sidecar
+    net: Network  # host 0 is A, host 1 is B
+    a: SidecarProcess
+    b: SidecarProcess
+
+    @property
+    def ns_a(self) -> str:
+        return self.net.ns[0]
+
+    @property
+    def ns_b(self) -> str:
+        return self.net.ns[1]
 
 
 @dataclass
 class Delayed:
-    a: Sidecar
-    b: Sidecar
+    a: SidecarProcess
+    b: SidecarProcess
     line: DelayLine
     ns_a: str
     data_port: int  # B2's data channel (its other listening port)
@@ -101,44 +101,32 @@ class Delayed:
 
 def _sidecar(
     root: Path, ns: str, me: str, peer: str, ttl_s: float, dram: str, port: int, *extra: str
-) -> Sidecar:
-    return Sidecar(
+) -> SidecarProcess:
+    return SidecarProcess(
         root,
         "--set", f"peer_host={me}", "--set", f"peer_port={port}",
         "--set", f"peers={peer}", "--set", f"peer_token={TOKEN}",
         "--set", f"peer_lookup_timeout_s={LOOKUP_TIMEOUT_S}", "--set", f"fetch_timeout_s={ttl_s}",
         "--set", "compression=none", "--set", "min_tokens=1000000", *extra,
-        dram=dram, nvme="64MiB", netns=ns,
+        dram=dram, nvme="64MiB", netns=ns, settings=SETTINGS,
     )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    tag = f"{os.getpid()}"
-    ns_a, ns_b = f"tsrel-a-{tag}", f"tsrel-b-{tag}"
-    sidecars: list[Sidecar] = []
-    try:
-        ip("netns", "add", ns_a)
-        ip("netns", "add", ns_b)
-        ip("link", "add", DEV_A, "netns", ns_a, "type", "veth", "peer", "name", DEV_B,
-           "netns", ns_b)  # fmt: skip
-        for ns, dev, addr in ((ns_a, DEV_A, ADDR_A), (ns_b, DEV_B, ADDR_B)):
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
+    with Network(2, subnet=SUBNET, prefix="tsrel") as net:  # removed on every exit path
+        ns_a, ns_b = net.ns
         root = tmp_path_factory.mktemp("net")
         a = _sidecar(root / "a", ns_a, ADDR_A, f"{ADDR_B}:{PORT}", 10.0, "16MiB", PORT)
         b = _sidecar(root / "b", ns_b, ADDR_B, f"{ADDR_A}:{PORT}", SENDER_TTL_S,
                      f"{B_DRAM_BLOCKS * BLOCK}", PORT)  # fmt: skip
-        sidecars = [a, b]
-        a.start()
-        b.start()
-        yield Pair(ns_a, ns_b, a, b)
-    finally:
-        for s in sidecars:
-            s.stop()
-        for ns in (ns_a, ns_b):
-            ip("netns", "del", ns, check=False)  # takes the veth pair with it
+        try:
+            a.start()
+            b.start()
+            yield Pair(net, a, b)
+        finally:
+            a.stop()
+            b.stop()
 
 
 @pytest.fixture(scope="module")
@@ -148,10 +136,9 @@ def delayed(pair: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[De
     crosses it."""
     ns_b2 = f"tsrel-b2-{os.getpid()}"
     line = None
-    sidecars: list[Sidecar] = []
+    sidecars: list[SidecarProcess] = []
     try:
-        ip("netns", "add", ns_b2)
-        ip("-n", ns_b2, "link", "set", "lo", "up")
+        add_namespace(ns_b2)
         for ns, dev in ((pair.ns_a, TUN_A), (ns_b2, TUN_B2)):
             ip("-n", ns, "tuntap", "add", "dev", dev, "mode", "tun")
             ip("-n", ns, "link", "set", dev, "up")
@@ -175,7 +162,7 @@ def delayed(pair: Pair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[De
         if line is not None:
             line.close()
         ip("-n", pair.ns_a, "link", "del", TUN_A, check=False)
-        ip("netns", "del", ns_b2, check=False)
+        delete_namespace(ns_b2)
 
 
 def tcp_rtts_ms(ns: str, addr: str) -> dict[int, list[float]]:
@@ -225,7 +212,7 @@ class RttSampler:
         self._thread.join(30)
 
 
-def put_on(sidecar: Sidecar, seed: int, n: int) -> list[bytes]:
+def put_on(sidecar: SidecarProcess, seed: int, n: int) -> list[bytes]:
     keys = chain(seed, n)
     with StoreClient(str(sidecar.socket), name="seed-b") as client:
         for lo in range(0, n, 256):
@@ -234,7 +221,7 @@ def put_on(sidecar: Sidecar, seed: int, n: int) -> list[bytes]:
     return keys  # type: ignore[return-value]
 
 
-def assert_sender_released(b: Sidecar, keys: list[bytes], filler_seed: int) -> None:
+def assert_sender_released(b: SidecarProcess, keys: list[bytes], filler_seed: int) -> None:
     """B's sender pins end by its deadline: fresh stores then evict every block
     it was sending (a pinned block cannot leave DRAM)."""
     time.sleep(SENDER_TTL_S + 1.0)
@@ -264,7 +251,7 @@ def timed_lookup(client: StoreClient, keys: list[bytes]) -> tuple[int, float]:
     return hits, time.monotonic() - t0
 
 
-def assert_a_clean(a: Sidecar, client: StoreClient, keys: list[bytes], got: int) -> None:
+def assert_a_clean(a: SidecarProcess, client: StoreClient, keys: list[bytes], got: int) -> None:
     # The loading client's next call comes after its releases (they are sent
     # without waiting for the reply): ask through it.
     assert sum(c.pins for c in client.stat().clients) == 0, "pins left on A after the load"
@@ -275,7 +262,7 @@ def assert_a_clean(a: Sidecar, client: StoreClient, keys: list[bytes], got: int)
         assert client.lookup(LAYOUT, keys[:got]).num_hits == got  # type: ignore[arg-type]
 
 
-def recover(a: Sidecar, keys: list[bytes]) -> tuple[int, float]:
+def recover(a: SidecarProcess, keys: list[bytes]) -> tuple[int, float]:
     """After the fault is gone, the whole pull completes (gRPC reconnects within ~2 s)."""
     deadline = time.monotonic() + 20
     with StoreClient(str(a.socket), name="engine-a") as client:
@@ -289,8 +276,7 @@ def recover(a: Sidecar, keys: list[bytes]) -> tuple[int, float]:
 
 def test_very_slow_link(pair: Pair) -> None:
     keys = put_on(pair.b, 1, PULL_BLOCKS)
-    tc(pair.ns_b, "qdisc", "add", "dev", DEV_B, "root", "tbf",
-       "rate", "8mbit", "burst", "32kb", "latency", "400ms")  # fmt: skip
+    pair.net.shape(1, Shape(rate="8mbit", burst="32kb", latency="400ms"))
     try:
         with StoreClient(str(pair.a.socket), name="engine-a") as client:
             deadline_s = 3.0
@@ -305,7 +291,7 @@ def test_very_slow_link(pair: Pair) -> None:
             assert lookup_s <= LOOKUP_TIMEOUT_S + SLACK_S
             errors = pair.a.counters()
     finally:
-        tc(pair.ns_b, "qdisc", "del", "dev", DEV_B, "root", check=False)
+        pair.net.shape(1, None)
     assert_sender_released(pair.b, keys, 1001)
     full, full_s = recover(pair.a, keys)
     assert full == PULL_BLOCKS
@@ -321,8 +307,7 @@ def test_very_slow_link(pair: Pair) -> None:
 def test_link_down_mid_transfer(pair: Pair) -> None:
     keys = put_on(pair.b, 2, PULL_BLOCKS)
     # 16 mbit: the 4 MiB pull takes ~2 s, so the link goes down in its middle.
-    tc(pair.ns_b, "qdisc", "add", "dev", DEV_B, "root", "tbf",
-       "rate", "16mbit", "burst", "32kb", "latency", "400ms")  # fmt: skip
+    pair.net.shape(1, Shape(rate="16mbit", burst="32kb", latency="400ms"))
     outcome: dict[str, tuple[int, float, int]] = {}
     try:
         with StoreClient(str(pair.a.socket), name="engine-a") as client:
@@ -332,7 +317,7 @@ def test_link_down_mid_transfer(pair: Pair) -> None:
             )
             t.start()
             time.sleep(0.8)
-            ip("-n", pair.ns_b, "link", "set", DEV_B, "down")
+            pair.net.set_up(1, False)
             t.join(deadline_s + 10)
             assert not t.is_alive(), "the load did not return"
             got, elapsed, wrong = outcome["pull"]
@@ -344,9 +329,9 @@ def test_link_down_mid_transfer(pair: Pair) -> None:
             lookup_s = time.monotonic() - t0
             assert lookup_s <= LOOKUP_TIMEOUT_S + SLACK_S
     finally:
-        ip("-n", pair.ns_b, "link", "set", DEV_B, "up", check=False)
-        ip("-n", pair.ns_a, "link", "set", DEV_A, "up", check=False)
-        tc(pair.ns_b, "qdisc", "del", "dev", DEV_B, "root", check=False)
+        pair.net.set_up(1, True)
+        pair.net.set_up(0, True)
+        pair.net.shape(1, None)
     assert_sender_released(pair.b, keys, 2002)
     full, full_s = recover(pair.a, keys)
     assert full == PULL_BLOCKS
@@ -381,7 +366,7 @@ def test_packet_loss(pair: Pair, loss_percent: int) -> None:
         wait_peer_reachable(client, others, 20.0)  # loss hits a running group, not its start
     retransmits = sum(tcp_retransmits(s.pid) for s in (pair.a, pair.b))
     try:
-        for ns, dev in ((pair.ns_a, DEV_A), (pair.ns_b, DEV_B)):
+        for ns, dev in zip(pair.net.ns, pair.net.dev):
             added = drop_random(ns, dev, loss_percent)
             if added.returncode != 0:
                 pytest.skip(f"cannot drop packets here (tc clsact + cls_bpf): {added.stderr}")
@@ -396,7 +381,7 @@ def test_packet_loss(pair: Pair, loss_percent: int) -> None:
         retransmitted = sum(tcp_retransmits(s.pid) for s in (pair.a, pair.b)) - retransmits
         assert retransmitted > 0, "no TCP segment was retransmitted: nothing was dropped"
     finally:
-        for ns, dev in ((pair.ns_a, DEV_A), (pair.ns_b, DEV_B)):
+        for ns, dev in zip(pair.net.ns, pair.net.dev):
             stop_dropping(ns, dev)
     assert_sender_released(pair.b, keys, 3000 + loss_percent)
     full, full_s = recover(pair.a, keys)
@@ -468,7 +453,7 @@ FIRST_LOOKUP = """
 import sys, time, grpc
 from tierstore.config import PeerConfig
 from tierstore.peer.client import PeerClient
-from tests.reliability.harness import LAYOUT, chain
+from harness.reliability import LAYOUT, chain
 client = PeerClient(sys.argv[1], PeerConfig(), sys.argv[2])
 t0 = time.monotonic()
 try:
@@ -491,7 +476,7 @@ def test_first_connect_over_slow_link(pair: Pair, delayed: Delayed) -> None:
         out = subprocess.run(
             ["ip", "netns", "exec", pair.ns_a, sys.executable, "-c", FIRST_LOOKUP,
              f"{ADDR_B2}:{PORT2}", TOKEN, "40"],
-            capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)),
+            capture_output=True, text=True, timeout=60, env=child_env(), cwd=REPO,
         )  # fmt: skip
     finally:
         delayed.line.delay_s = 0.0

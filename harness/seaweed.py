@@ -1,5 +1,5 @@
 """A real SeaweedFS (`weed server` with its S3 gateway) for the remote tier's
-tests, and a TCP proxy in front of it that injects faults.
+tests and benchmarks, and a TCP proxy in front of it that injects faults.
 
 ``SeaweedFS.start`` runs master, volume, filer and S3 gateway on loopback
 ports with one access key, waits (bounded) until S3 answers, and
@@ -7,6 +7,8 @@ ports with one access key, waits (bounded) until S3 answers, and
 unchanged, or, per mode, answers 503 SlowDown, delays every connection,
 or refuses connections; switching modes cuts the connections it holds, so
 pooled client connections see the new mode at once.
+
+Runs in the caller's process; the proxy forwards on daemon threads of its own.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from tests.integration.sidecar import free_port
+from tierstore.cli.ports import free_port
 
 ACCESS_KEY = "tierstore-test"
 SECRET_KEY = "tierstore-test-secret"

@@ -1,8 +1,11 @@
-"""Start, kill and restart a real single-node etcd for integration tests and
+"""Start, kill and restart a real single-node etcd for the tests and the
 benchmarks: loopback ports, its own data directory, a bounded start-up wait.
 
-``etcd_binary()`` is None when etcd is not installed (tests skip with that
-reason; ``.ci/run`` installs the Debian package etcd-server).
+Provides ``EtcdProcess`` (start, SIGKILL, start again on the same data and
+ports, stop, a gRPC channel to it, etcdctl against it) and ``etcd_binary()``,
+None when etcd is not installed (``MISSING`` says so: the tests skip with it;
+``.ci/run`` installs the Debian package etcd-server). Runs in the caller's
+process and thread.
 """
 
 from __future__ import annotations
@@ -16,12 +19,11 @@ from pathlib import Path
 
 import grpc
 
+from tierstore.cli.ports import free_port
 from tierstore.v1 import etcd_rpc_pb2 as pb
 from tierstore.v1 import etcd_rpc_pb2_grpc as pb_grpc
 
-from .sidecar import free_port
-
-SKIP_REASON = "etcd is not installed (apt-get install etcd-server; .ci/run does)"
+MISSING = "etcd is not installed (apt-get install etcd-server; .ci/run does)"
 
 
 def etcd_binary() -> str | None:
@@ -36,7 +38,7 @@ class EtcdProcess:
         and requires client certificates signed by "ca"."""
         binary = etcd_binary()
         if binary is None:
-            raise RuntimeError(SKIP_REASON)
+            raise RuntimeError(MISSING)
         self.binary = binary
         self.root = root
         self.tls = tls

@@ -1,12 +1,14 @@
-"""Reliability harness shared by ``tests/reliability/test_*.py`` and ``bench/soak.py``.
+"""Reliability harness shared by ``tests/reliability/test_*.py`` and the soak
+(``bench/reliability/soak.py``).
 
 Provides:
 - ``LAYOUT`` (8 KiB blocks), ``chain`` (deterministic key chains from a seed)
   and ``block_of`` (a block's bytes derived from its key alone with blake3's
   XOF), so any process can check any block it gets back, including blocks
   another process wrote before a crash;
-- ``Sidecar``: one real ``tierstore serve`` child (optionally inside a network
-  namespace) with SIGKILL, restart-to-serving timing, RSS sampling and its log;
+- ``SETTINGS``: the settings of every reliability sidecar
+  (``harness.sidecar.SidecarProcess``: SIGKILL, restart-to-serving timing,
+  memory and log);
 - ``index_keys``: the keys an NVMe tier's LMDB index lists (read while no
   sidecar holds the directory);
 - ``memory_bounds``: a sidecar's memory bound from its config and the limits
@@ -17,7 +19,9 @@ Provides:
   per operation to their own file, so a SIGKILLed worker loses nothing it
   already reported.
 
-Every wait here is bounded; every process started is stopped by its owner.
+Runs in the test's (or the soak's) process, ``RssSampler`` on a thread of its
+own, the workers in forkserver children. Every wait here is bounded; every
+process started is stopped by its owner.
 """
 
 from __future__ import annotations
@@ -25,11 +29,8 @@ from __future__ import annotations
 import contextlib
 import json
 import multiprocessing
-import os
 import random
-import signal
 import statistics
-import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -38,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import blake3
-import grpc
 import lmdb
 import numpy as np
 
@@ -46,15 +46,13 @@ from tierstore.config import PeerConfig
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.peer import service as peer_service
 from tierstore.sidecar import service as local_service
-from tierstore.v1 import local_pb2, local_pb2_grpc
 
-from ..integration.sidecar import serve_args
+from .sidecar import SMALL_SEGMENTS, SidecarProcess
 
-REPO = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout("reliability", 2, 2, 64, "float16", 8)  # 8 KiB blocks of 8 tokens
 BLOCK = LAYOUT.block_bytes
 SERVE_TIMEOUT_S = 20.0  # restart-to-serving bound asserted by the tests
-STOP_TIMEOUT_S = 20.0
+SETTINGS = (*SMALL_SEGMENTS, "shutdown_grace_s=1")  # every reliability sidecar's
 
 
 # -- deterministic data ------------------------------------------------------------
@@ -90,133 +88,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-# -- the sidecar ---------------------------------------------------------------------
-
-
-def remove_arenas(pid: int) -> list[str]:
-    removed = []
-    for name in os.listdir("/dev/shm"):
-        if name.startswith(f"tierstore-{pid}-"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join("/dev/shm", name))
-            removed.append(name)
-    return removed
-
-
-def arenas_of(pid: int) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"tierstore-{pid}-")]
-
-
-class Sidecar:
-    """A ``tierstore serve`` child with its files under ``root``."""
-
-    def __init__(
-        self,
-        root: Path,
-        *extra: str,
-        dram: str = "1MiB",
-        nvme: str = "8MiB",
-        nvme_dir: Path | None = None,
-        netns: str | None = None,
-        name: str = "s",
-    ) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        self.root = root
-        self.socket = root / f"{name}.sock"
-        self.nvme_dir = nvme_dir or root / f"{name}-nvme"
-        self.log_path = root / f"{name}.log"
-        self.netns = netns
-        self.args = serve_args(
-            self.socket, self.nvme_dir, dram, nvme, "--set", "shutdown_grace_s=1", *extra
-        )
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.pids: list[int] = []  # every pid this object started
-        self.started_at = 0.0
-
-    def start(self, wait: bool = True) -> float:
-        """Start; with ``wait``, return seconds from spawn to the first answered Stat."""
-        self.socket.unlink(missing_ok=True)  # a killed sidecar's socket must not look ready
-        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        with open(self.log_path, "ab") as log:
-            self.started_at = time.monotonic()
-            self.proc = subprocess.Popen(
-                [*prefix, *self.args], stdout=log, stderr=subprocess.STDOUT, env=env
-            )
-        self.pids.append(self.proc.pid)
-        return self.wait_serving() if wait else 0.0
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def wait_serving(self, timeout_s: float = SERVE_TIMEOUT_S) -> float:
-        deadline = self.started_at + timeout_s
-        while True:
-            if not self.alive():
-                raise RuntimeError(
-                    f"sidecar exited {self.proc and self.proc.returncode}: {self.log()[-3000:]}"
-                )
-            if self.socket.exists():
-                with contextlib.suppress(grpc.RpcError):
-                    self.stat(timeout_s=1.0)
-                    return time.monotonic() - self.started_at
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sidecar not serving in {timeout_s} s: {self.log()[-3000:]}")
-            time.sleep(0.02)
-
-    def stat(self, timeout_s: float = 10.0) -> local_pb2.StatReply:
-        with grpc.insecure_channel(f"unix:{self.socket}") as channel:
-            stub = local_pb2_grpc.LocalServiceStub(channel)
-            return stub.Stat(local_pb2.StatRequest(), timeout=timeout_s)
-
-    def counters(self) -> dict[str, int]:
-        return dict(self.stat().counters)
-
-    def tier(self, name: str) -> Any:
-        return next(t for t in self.stat().tiers if t.name == name)
-
-    def pins(self) -> int:
-        return sum(c.pins for c in self.stat().clients)
-
-    def memory_kib(self) -> dict[str, int]:
-        """VmRSS, VmHWM, RssAnon, RssFile, RssShmem of the sidecar (KiB)."""
-        out: dict[str, int] = {}
-        with contextlib.suppress(OSError), open(f"/proc/{self.pid}/status") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                if name in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                    out[name] = int(value.split()[0])
-        return out
-
-    def kill(self) -> int:
-        """SIGKILL and reap; leaves the arena behind, as a real crash does."""
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait(STOP_TIMEOUT_S)
-        return self.proc.pid
-
-    def stop(self) -> None:
-        """SIGTERM (SIGKILL after STOP_TIMEOUT_S), then remove any arena left."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_TIMEOUT_S)
-        for pid in self.pids:
-            remove_arenas(pid)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+# -- a sidecar's files and memory ------------------------------------------------------
 
 
 def index_keys(nvme_dir: Path) -> list[bytes]:
@@ -236,7 +108,7 @@ def index_keys(nvme_dir: Path) -> list[bytes]:
 class RssSampler:
     """Samples a sidecar's memory every ``interval_s`` in a thread."""
 
-    def __init__(self, sidecar: Sidecar, interval_s: float = 0.25) -> None:
+    def __init__(self, sidecar: SidecarProcess, interval_s: float = 0.25) -> None:
         self.sidecar = sidecar
         self.samples: list[dict[str, int]] = []
         self._stop = threading.Event()
@@ -293,7 +165,7 @@ def memory_bounds(
 def workers() -> Any:
     """A forkserver context whose server has imported tierstore.client (torch)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.reliability.harness", "tierstore.client", "torch"])
+    ctx.set_forkserver_preload(["harness.reliability", "tierstore.client", "torch"])
     return ctx
 
 
