@@ -1,10 +1,12 @@
-"""The ``tierstore`` command: ``serve``, ``stat``, ``demo``, ``config``, ``route``, ``router``.
+"""The ``tierstore`` command: ``serve``, ``stat``, ``demo``, ``config``, ``route``,
+``router``, ``gateway``.
 
 Provides ``build_parser`` (every command's flags) and ``main`` (run one).
 Each command's module is imported only when that command runs (``serve``:
 the sidecar; ``stat``: ``cli.stat``; ``demo``: ``cli.demo`` or the vLLM
-demo; ``route`` and ``router``: ``cli.route``), so that ``tierstore stat``
-starts without torch. The flags that make a ``Config`` are ``cli.common``'s.
+demo; ``route`` and ``router``: ``cli.route``; ``gateway``:
+``gateway.serve``), so that ``tierstore stat`` starts without torch. The
+flags that make a ``Config`` are ``cli.common``'s.
 
 Runs in the foreground of the shell that calls it.
 """
@@ -68,6 +70,21 @@ def cmd_router(args: argparse.Namespace) -> int:
     return router_main(args)
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    try:
+        from tierstore.gateway.serve import serve as gateway_serve
+    except ImportError as e:  # the gateway extra is not installed
+        raise TierstoreError(
+            f"{e}: install the gateway's packages: pip install 'tierstore[gateway]'"
+        ) from e
+    config = config_from_args(args)
+    logging.basicConfig(
+        level=config.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return gateway_serve(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tierstore", description="Tiered KV-cache store for LLM inference."
@@ -112,7 +129,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_config)
 
     _add_router_parsers(sub)
+    _add_gateway_parser(sub)
     return parser
+
+
+def _add_gateway_parser(sub: Any) -> None:
+    """``gateway``: the OpenAI-compatible front of the fleet (``tierstore.gateway``)."""
+    p = sub.add_parser("gateway", help="serve the OpenAI API in front of the engines")
+    p.add_argument(
+        "--backend",
+        action="append",
+        dest="gateway_backends",
+        metavar="URL[;peer=HOST:PORT][;events=tcp://HOST:PORT]",
+        help="an engine, its sidecar's peer address, its vLLM KV events (repeatable)",
+    )
+    p.add_argument(
+        "--membership",
+        metavar="URL",
+        help="the engines of the etcd group (etcd://host:port/prefix)",
+    )
+    p.add_argument("--policy", dest="gateway_policy", help="tierstore | tierstore_no_preposition "
+                   "| prefix_aware | least_loaded | round_robin")  # fmt: skip
+    p.add_argument("--host", dest="gateway_host", help="address to listen on")
+    p.add_argument("--port", dest="gateway_port", type=int, help="port to listen on")
+    p.add_argument(
+        "--tokenizer",
+        dest="gateway_tokenizer",
+        metavar="DIR",
+        help="the model's tokenizer directory (default: the engines' /tokenize)",
+    )
+    add_config_flags(p)
+    p.set_defaults(func=cmd_gateway)
 
 
 def _add_router_parsers(sub: Any) -> None:

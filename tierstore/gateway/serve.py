@@ -5,7 +5,8 @@ router when any engine has a sidecar: static ``gateway_backends``, or the
 etcd group of ``membership``, whose members name their engines) and
 ``serve(config)``, the ``tierstore gateway`` process: the HTTP server on
 ``gateway_host:gateway_port``, the fleet's poll task, and a graceful stop
-on SIGTERM or SIGINT (in-flight requests get ``shutdown_grace_s``).
+on SIGTERM or SIGINT (in-flight requests get ``shutdown_grace_s``); it
+tells systemd when it serves (``Type=notify``).
 
 Runs one asyncio event loop in the gateway's process.
 """
@@ -32,6 +33,7 @@ from tierstore.gateway.metrics import GatewayMetrics
 from tierstore.gateway.placement import make_policy
 from tierstore.gateway.sessions import Sessions
 from tierstore.gateway.tokens import HfTokenizer
+from tierstore.notify import notify
 from tierstore.router.engine_events import read_layout
 from tierstore.router.router import Router
 
@@ -96,11 +98,13 @@ async def run(config: Config, started: Callable[[str], None] | None = None) -> N
         await site.start()
         address = f"{g.gateway_host}:{g.gateway_port}"
         log.info("tierstore gateway on http://%s, policy %s", address, gw.policy.name)
+        notify("READY=1")
         if started is not None:
             started(address)
         try:
             await stop.wait()
         finally:
+            notify("STOPPING=1")
             log.info("tierstore gateway stopping")
             await runner.cleanup()
             await cancel(poll)
