@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tierstore.errors import ConfigError
-from tierstore.policies import WRITE_POLICIES
+from tierstore.policies.write import WRITE_POLICIES
 
 if sys.version_info >= (3, 11):
     import tomllib

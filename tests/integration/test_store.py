@@ -21,7 +21,8 @@ from hypothesis.stateful import (
 from tierstore.config import StoreConfig
 from tierstore.errors import BlockSizeError, KeyFormatError, LayoutError
 from tierstore.keys import BlockKey, KVLayout, chain_keys
-from tierstore.policies import ADMISSION_POLICIES, EVICTION_POLICIES
+from tierstore.policies.admission import ADMISSION_POLICIES
+from tierstore.policies.eviction import EVICTION_POLICIES
 from tierstore.store.dram import ReserveStatus
 from tierstore.store.tiered import TieredStore
 from tierstore.tiers import TierName

@@ -6,15 +6,9 @@ import pytest
 
 from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey
-from tierstore.policies import (
-    EVICTION_POLICIES,
-    WRITE_POLICIES,
-    SeenTwiceAdmit,
-    WriteThroughSelective,
-    make_admission_policy,
-    make_eviction_policy,
-    make_write_policy,
-)
+from tierstore.policies.admission import SeenTwiceAdmit, make_admission_policy
+from tierstore.policies.eviction import EVICTION_POLICIES, make_eviction_policy
+from tierstore.policies.write import WRITE_POLICIES, WriteThroughSelective, make_write_policy
 
 
 def k(i: int) -> BlockKey:
@@ -102,7 +96,7 @@ def test_admission() -> None:
 
 
 def test_rendezvous_target_is_deterministic_and_stable() -> None:
-    from tierstore.policies import rendezvous_target
+    from tierstore.policies.replication import rendezvous_target
 
     members = [f"10.0.0.{i}:7700" for i in range(8)]
     targets = {s: rendezvous_target(s, members, exclude=members[0]) for s in map(str, range(200))}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tierstore.errors import ConfigError
-from tierstore.policies import (
+from tierstore.policies.replication import (
     HeadroomRule,
     KvShareRule,
     ReplicaRequest,

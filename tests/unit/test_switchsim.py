@@ -13,7 +13,7 @@ sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
 
 from switchsim import SimConfig, Workload, choose_host, classify, percentile, simulate
 
-from tierstore.policies import rendezvous_target
+from tierstore.policies.replication import rendezvous_target
 
 MEMBERS = ["h0", "h1", "h2", "h3"]
 

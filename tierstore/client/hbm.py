@@ -21,7 +21,7 @@ import torch
 
 from tierstore.keys import BlockKey
 from tierstore.memory.slab import SlabAllocator
-from tierstore.policies import EvictionPolicy, LruPolicy
+from tierstore.policies.eviction import EvictionPolicy, LruPolicy
 from tierstore.tiers import TierName, TierStats
 
 HBM_ALIGN_BYTES = 512  # copy kernels and DMA like aligned starts

@@ -42,7 +42,11 @@ from tierstore.peer.clients import PeerClients
 from tierstore.peer.data import ReceiveResult, Verifier, receive_blocks
 from tierstore.peer.pushq import PushQueue
 from tierstore.peer.stream import STREAM_COUNTERS, ReplicaStreamer
-from tierstore.policies import ReplicaRequest, make_replication_policy, rendezvous_target
+from tierstore.policies.replication import (
+    ReplicaRequest,
+    make_replication_policy,
+    rendezvous_target,
+)
 from tierstore.ratelog import RateLimitedLog
 from tierstore.store.tiered import TieredStore
 from tierstore.v1 import peer_pb2

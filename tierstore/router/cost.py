@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from tierstore.load import HostLoadView
-from tierstore.policies import rendezvous_weight
+from tierstore.policies.replication import rendezvous_weight
 from tierstore.tiers import TIER_CODES, TierName
 
 _TIER_ORDER = (TierName.HBM, TierName.DRAM, TierName.NVME, TierName.PEER)

@@ -37,13 +37,10 @@ from dataclasses import dataclass
 from tierstore.config import RemoteConfig, StoreConfig
 from tierstore.counters import Counters
 from tierstore.memory.arena import Arena
-from tierstore.policies import (
-    ReplicaRetention,
-    WritePolicy,
-    make_admission_policy,
-    make_eviction_policy,
-    make_write_policy,
-)
+from tierstore.policies.admission import make_admission_policy
+from tierstore.policies.eviction import make_eviction_policy
+from tierstore.policies.replication import ReplicaRetention
+from tierstore.policies.write import WritePolicy, make_write_policy
 from tierstore.store.demoter import Demoter
 from tierstore.store.digests import BlockDigests
 from tierstore.store.dram import DramTier

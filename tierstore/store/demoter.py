@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey
-from tierstore.policies import AdmissionPolicy, ReplicaRetention
+from tierstore.policies.admission import AdmissionPolicy
+from tierstore.policies.replication import ReplicaRetention
 from tierstore.ratelog import RateLimitedLog
 from tierstore.store.dram import DramEntry, DramTier
 from tierstore.store.nvme.tier import NvmeTier

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from tierstore.keys import BlockKey
 from tierstore.memory.arena import Arena
 from tierstore.memory.slab import SlabAllocator
-from tierstore.policies import EvictionPolicy, LruPolicy
+from tierstore.policies.eviction import EvictionPolicy, LruPolicy
 from tierstore.store.pins import OwnerPins
 from tierstore.tiers import TierName, TierStats
 

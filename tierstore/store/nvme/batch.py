@@ -34,7 +34,7 @@ import blake3
 
 from tierstore.errors import LayoutError
 from tierstore.keys import BlockKey, check_key
-from tierstore.policies import EvictionPolicy
+from tierstore.policies.eviction import EvictionPolicy
 from tierstore.ratelog import RateLimitedLog
 from tierstore.store.nvme.blockfile import BlockFile
 from tierstore.store.nvme.index import NvmeEntry

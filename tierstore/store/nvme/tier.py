@@ -60,7 +60,7 @@ from tierstore.counters import Counters
 from tierstore.errors import BlockSizeError, StorageError
 from tierstore.keys import BlockKey, check_key
 from tierstore.load import RateMeter
-from tierstore.policies import EvictionPolicy, LruPolicy
+from tierstore.policies.eviction import EvictionPolicy, LruPolicy
 from tierstore.ratelog import RateLimitedLog
 from tierstore.store.nvme.batch import (
     Planned,

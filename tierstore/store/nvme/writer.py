@@ -3,7 +3,7 @@
 Provides:
 - ``NvmeWriter``: the store's write-through writer. The tiered store tells it
   what was committed, read again or finished as a turn; the write policy
-  (``tierstore.policies.WritePolicy``) picks the keys, which wait in a queue
+  (``tierstore.policies.write.WritePolicy``) picks the keys, which wait in a queue
   bounded in bytes (``write_queue_bytes``) for one background worker that
   copies their DRAM blocks to NVMe in batches (one fdatasync each). Offering
   never blocks and never copies: a full queue drops the key (counted) and the
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey
-from tierstore.policies import WritePolicy
+from tierstore.policies.write import WritePolicy
 from tierstore.store.dram import DramEntry, DramTier
 from tierstore.store.nvme.tier import NvmeTier
 from tierstore.workers import Workers

@@ -4,7 +4,7 @@
 Provides ``RemoteGC``: ``gc_once`` lists the objects under the prefix
 (at most ``remote_gc_max_objects``), refreshes the ``remote_objects`` /
 ``remote_used_bytes`` gauges, and deletes the victims that
-``tierstore.policies.remote_gc_victims`` chooses (least recently used
+``tierstore.policies.remote.remote_gc_victims`` chooses (least recently used
 first, down to ``remote_gc_low_watermark`` of the budget), 1000 per
 request; ``start`` runs it every ``remote_gc_interval_s`` on the
 ``tierstore-remote-gc`` thread; ``stop`` / ``join`` end that thread.
@@ -24,7 +24,7 @@ import threading
 from tierstore.config import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey
-from tierstore.policies import RemoteObject, remote_gc_victims
+from tierstore.policies.remote import RemoteObject, remote_gc_victims
 from tierstore.store.remote.cache import Answers, LastUse
 from tierstore.store.remote.client import ClientClosed, RemoteClient
 from tierstore.workers import Workers

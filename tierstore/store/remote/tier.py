@@ -57,7 +57,7 @@ from typing import Any
 from tierstore.config import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
-from tierstore.policies import RemotePlacement
+from tierstore.policies.remote import RemotePlacement
 from tierstore.store.remote import format as fmt
 from tierstore.store.remote.cache import Answers, LastUse
 from tierstore.store.remote.client import REQUEST_COUNTERS, ClientClosed, RemoteClient

@@ -14,7 +14,7 @@ from tests.conftest import SMALL_LAYOUT
 from tests.unit.store.fakes import FakeNvme
 from tierstore.keys import BlockKey, chain_keys
 from tierstore.memory.arena import Arena
-from tierstore.policies import WriteThrough, WriteThroughSelective
+from tierstore.policies.write import WriteThrough, WriteThroughSelective
 from tierstore.store.dram import STORE_OWNER, DramTier, ReserveStatus
 from tierstore.store.nvme import writer as writer_module
 from tierstore.store.nvme.tier import NvmeTier

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey
-from tierstore.policies import RemoteObject, RemotePlacement, remote_gc_victims
+from tierstore.policies.remote import RemoteObject, RemotePlacement, remote_gc_victims
 from tierstore.store.remote import format as fmt
 from tierstore.store.remote.client import parse_remote_url, read_credentials_file
 
