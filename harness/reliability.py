@@ -42,7 +42,7 @@ import blake3
 import lmdb
 import numpy as np
 
-from tierstore.config import PeerConfig
+from tierstore.config.peer import PeerConfig
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.peer import service as peer_service
 from tierstore.sidecar import service as local_service

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from harness.sidecar import SidecarProcess, start_sidecar
-from tierstore.config import StoreConfig
+from tierstore.config.store import StoreConfig
 from tierstore.keys import KVLayout
 
 # 8 KiB blocks: 2 (K,V) x 2 layers x 2 heads x 64 dim x 8 tokens x fp16.
@@ -132,7 +132,7 @@ def remote_config(seaweed: Any, tmp_path: Path, request: pytest.FixtureRequest) 
     import secrets
 
     from harness.seaweed import ACCESS_KEY, SECRET_KEY
-    from tierstore.config import RemoteConfig
+    from tierstore.config.remote import RemoteConfig
 
     creds = tmp_path / "s3-credentials"
     creds.write_text(

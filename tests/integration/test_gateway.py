@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tierstore.config import Config, GatewayConfig
+from tierstore.config import Config
+from tierstore.config.gateway import GatewayConfig
 from tierstore.gateway.app import make_app
 from tierstore.gateway.serve import build, http_session
 

@@ -33,7 +33,8 @@ from harness.etcd import MISSING, EtcdProcess, etcd_binary
 from harness.sidecar import SidecarProcess, start_sidecar
 from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
-from tierstore.config import PeerConfig, RouterConfig, parse_membership
+from tierstore.config.peer import PeerConfig, parse_membership
+from tierstore.config.router import RouterConfig
 from tierstore.keys import BlockKey, chain_keys
 from tierstore.membership.etcd_client import EtcdAuth, EtcdClient
 from tierstore.membership.members import decode_member

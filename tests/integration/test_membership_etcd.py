@@ -25,7 +25,7 @@ import pytest
 from harness import REPO
 from harness.etcd import MISSING, EtcdProcess, etcd_binary
 from tierstore.cli.ports import free_port
-from tierstore.config import PeerConfig
+from tierstore.config.peer import PeerConfig
 from tierstore.membership.etcd import EtcdMembers, describe_host
 
 from ..conftest import SMALL_LAYOUT

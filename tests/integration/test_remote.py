@@ -33,7 +33,7 @@ from harness.seaweed import ACCESS_KEY, SECRET_KEY, FaultProxy
 from harness.sidecar import SidecarProcess, serve_args, start_sidecar
 from tests.conftest import SMALL_LAYOUT
 from tierstore.client import StoreClient
-from tierstore.config import StoreConfig
+from tierstore.config.store import StoreConfig
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.store.tiered import TieredStore
 from tierstore.tiers import TierName

@@ -27,7 +27,9 @@ import torch
 
 from tierstore.cli import main as cli_main
 from tierstore.client import StoreClient
-from tierstore.config import Config, PeerConfig, RouterConfig
+from tierstore.config import Config
+from tierstore.config.peer import PeerConfig
+from tierstore.config.router import RouterConfig
 from tierstore.keys import KVLayout, chain_keys
 from tierstore.peer.tier import PeerClient
 from tierstore.router.feeder import IndexFeeder

@@ -34,7 +34,8 @@ from vllm.distributed.kv_events import (
     ZmqEventPublisher,
 )
 
-from tierstore.config import PeerConfig, RouterConfig
+from tierstore.config.peer import PeerConfig
+from tierstore.config.router import RouterConfig
 from tierstore.keys import KVLayout, chain_keys
 from tierstore.router.router import Router
 

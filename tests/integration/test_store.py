@@ -18,7 +18,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tierstore.config import StoreConfig
+from tierstore.config.store import StoreConfig
 from tierstore.errors import BlockSizeError, KeyFormatError, LayoutError
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.policies.admission import ADMISSION_POLICIES

@@ -27,7 +27,7 @@ pytest.importorskip("vllm")
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from tierstore.client import StoreClient
-from tierstore.config import PeerConfig
+from tierstore.config.peer import PeerConfig
 from tierstore.engines.vllm.events import (
     TierstoreKVEvents,
     merge,

@@ -17,7 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierstore.cli.ports import free_port
 from tierstore.cli.stat import _stat_dict, format_stat
-from tierstore.config import Config, PeerConfig, ServerConfig, StoreConfig
+from tierstore.config import Config
+from tierstore.config.peer import PeerConfig
+from tierstore.config.server import ServerConfig
+from tierstore.config.store import StoreConfig
 from tierstore.keys import chain_keys
 from tierstore.sidecar.process import Sidecar
 from tierstore.sidecar.service import SERVICE_NAME

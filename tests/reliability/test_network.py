@@ -451,7 +451,7 @@ def test_added_latency(delayed: Delayed) -> None:
 
 FIRST_LOOKUP = """
 import sys, time, grpc
-from tierstore.config import PeerConfig
+from tierstore.config.peer import PeerConfig
 from tierstore.peer.client import PeerClient
 from harness.reliability import LAYOUT, chain
 client = PeerClient(sys.argv[1], PeerConfig(), sys.argv[2])

@@ -191,7 +191,8 @@ def test_reserve_racing_detach_leaks_nothing() -> None:
     """Deterministic form of the leak the overload test sees when it kills clients."""
     import threading
 
-    from tierstore.config import Config, StoreConfig
+    from tierstore.config import Config
+    from tierstore.config.store import StoreConfig
     from tierstore.sidecar.service import LocalServicer
     from tierstore.store.tiered import TieredStore
     from tierstore.v1 import local_pb2

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tierstore.config import ConfigError, load_config, parse_bytes
+from tierstore.config import load_config
+from tierstore.config.parse import parse_bytes
+from tierstore.errors import ConfigError
 
 
 def test_defaults_need_no_file() -> None:
@@ -110,7 +112,7 @@ def test_negative_replica_budget_is_refused() -> None:
 
 
 def test_gateway_settings_are_checked() -> None:
-    from tierstore.config import GatewayConfig
+    from tierstore.config.gateway import GatewayConfig
 
     assert GatewayConfig().gateway_policy == "tierstore"
     with pytest.raises(ConfigError, match="gateway_policy must be one of"):
@@ -124,7 +126,7 @@ def test_gateway_settings_are_checked() -> None:
 
 
 def test_engine_url_and_events_are_checked() -> None:
-    from tierstore.config import PeerConfig
+    from tierstore.config.peer import PeerConfig
 
     with pytest.raises(ConfigError, match="engine_url"):
         PeerConfig(engine_url="10.0.0.1:8000")

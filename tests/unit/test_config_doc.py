@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.config import ALIASES, SECTIONS, load_config, parse_bytes
+from tierstore.config import ALIASES, SECTIONS, load_config
+from tierstore.config.parse import parse_bytes
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 ROW = re.compile(r"^\| `([a-z0-9_]+)` \| (.+?) \|", re.M)

@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from tierstore.client.results import SidecarUnavailable, rpc_error
-from tierstore.config import ServerConfig
+from tierstore.config.server import ServerConfig
 from tierstore.errors import LayoutError
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 
 import grpc
 
-from tierstore.config import MembershipURL, PeerConfig
+from tierstore.config.peer import MembershipURL, PeerConfig
 from tierstore.counters import Counters
 from tierstore.membership.etcd_client import EtcdAuth, EtcdClient, WatchStream
 from tierstore.membership.members import Member, decode_member, diff

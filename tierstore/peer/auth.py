@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from tierstore.config import PeerConfig
+from tierstore.config.peer import PeerConfig
 
 
 class TokenAuth(grpc.ServerInterceptor):

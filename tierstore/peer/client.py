@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from tierstore.config import PeerConfig
+from tierstore.config.peer import PeerConfig
 from tierstore.keys import BlockKey, KVLayout, pack_keys
 from tierstore.load import RateMeter
 from tierstore.v1 import peer_pb2, peer_pb2_grpc

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from tierstore import __version__
-from tierstore.config import PeerConfig
+from tierstore.config.peer import PeerConfig
 from tierstore.errors import TierstoreError
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, unpack_keys
 from tierstore.membership.etcd import EtcdMembers, describe_host

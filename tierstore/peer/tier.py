@@ -32,7 +32,7 @@ from typing import Any
 
 import grpc
 
-from tierstore.config import PeerConfig
+from tierstore.config.peer import PeerConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.membership.members import MemberSet, StaticMembers

@@ -30,7 +30,8 @@ from typing import Any
 
 import grpc
 
-from tierstore.config import PeerConfig, RouterConfig
+from tierstore.config.peer import PeerConfig
+from tierstore.config.router import RouterConfig
 from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.load import HostLoadView

@@ -34,7 +34,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tierstore.config import RemoteConfig, StoreConfig
+from tierstore.config.remote import RemoteConfig
+from tierstore.config.store import StoreConfig
 from tierstore.counters import Counters
 from tierstore.memory.arena import Arena
 from tierstore.policies.admission import make_admission_policy

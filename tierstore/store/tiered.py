@@ -36,7 +36,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from tierstore.config import RemoteConfig, StoreConfig
+from tierstore.config.remote import RemoteConfig
+from tierstore.config.store import StoreConfig
 from tierstore.counters import Counters
 from tierstore.errors import BlockSizeError
 from tierstore.keys import BlockKey, KVLayout, check_keys

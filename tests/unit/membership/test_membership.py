@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from tierstore.config import PeerConfig, RouterConfig, parse_membership
+from tierstore.config.peer import PeerConfig, parse_membership
+from tierstore.config.router import RouterConfig
 from tierstore.errors import ConfigError
 from tierstore.membership.etcd_client import EtcdAuth, prefix_end
 from tierstore.membership.members import Member, StaticMembers, decode_member, diff

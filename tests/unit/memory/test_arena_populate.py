@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tierstore.memory.arena as arena_module
-from tierstore.config import StoreConfig
+from tierstore.config.store import StoreConfig
 from tierstore.keys import KVLayout, chain_keys
 from tierstore.memory.arena import UNIT_BYTES, Arena
 from tierstore.store.dram import DramTier, ReserveStatus

@@ -12,7 +12,7 @@ from typing import cast
 import blake3
 import numpy as np
 
-from tierstore.config import StoreConfig
+from tierstore.config.store import StoreConfig
 from tierstore.keys import chain_keys
 from tierstore.memory.arena import Arena
 from tierstore.peer import codec

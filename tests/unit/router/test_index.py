@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from tierstore.config import StoreConfig
+from tierstore.config.store import StoreConfig
 from tierstore.keys import KVLayout, chain_keys
 from tierstore.load import RateMeter
 from tierstore.router.index import FleetIndex, GapError

@@ -10,7 +10,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from tierstore.config import StoreConfig
+from tierstore.config.store import StoreConfig
 from tierstore.keys import BlockKey, chain_keys
 from tierstore.memory.arena import Arena
 from tierstore.store.dram import ReserveStatus

@@ -121,7 +121,7 @@ def _removal_watcher(settings: ConnectorSettings) -> Any:
         return None
     from pathlib import Path
 
-    from tierstore.config import PeerConfig
+    from tierstore.config.peer import PeerConfig
     from tierstore.engines.vllm.removals import RemovalWatcher, StoredBlocks
     from tierstore.peer.client import PeerClient
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
-from tierstore.config import RemoteConfig
+from tierstore.config.remote import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.errors import ConfigError
 from tierstore.workers import Workers

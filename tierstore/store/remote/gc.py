@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 
-from tierstore.config import RemoteConfig
+from tierstore.config.remote import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey
 from tierstore.policies.remote import RemoteObject, remote_gc_victims

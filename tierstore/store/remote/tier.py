@@ -54,7 +54,7 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from tierstore.config import RemoteConfig
+from tierstore.config.remote import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.policies.remote import RemotePlacement

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tierstore.config import RemoteConfig
+from tierstore.config.remote import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.store.remote import format as fmt

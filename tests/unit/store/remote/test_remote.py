@@ -19,7 +19,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from harness.seaweed import ACCESS_KEY, SECRET_KEY
 from tests.conftest import SMALL_LAYOUT
-from tierstore.config import RemoteConfig, StoreConfig
+from tierstore.config.remote import RemoteConfig
+from tierstore.config.store import StoreConfig
 from tierstore.errors import ConfigError
 from tierstore.keys import BlockKey, chain_keys
 from tierstore.store.remote import format as fmt

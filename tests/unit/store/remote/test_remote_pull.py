@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import SMALL_LAYOUT
-from tierstore.config import RemoteConfig, StoreConfig
+from tierstore.config.remote import RemoteConfig
+from tierstore.config.store import StoreConfig
 from tierstore.keys import chain_keys
 from tierstore.store.tiered import TieredStore
 

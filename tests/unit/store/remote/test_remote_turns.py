@@ -14,7 +14,7 @@ from typing import cast
 import pytest
 
 from tests.conftest import SMALL_LAYOUT
-from tierstore.config import RemoteConfig
+from tierstore.config.remote import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, chain_keys
 from tierstore.store.remote.cache import Answers, LastUse

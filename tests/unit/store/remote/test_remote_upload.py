@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import cast
 
 from tests.conftest import SMALL_LAYOUT
-from tierstore.config import RemoteConfig
+from tierstore.config.remote import RemoteConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey, chain_keys
 from tierstore.store.remote.cache import Answers, LastUse
