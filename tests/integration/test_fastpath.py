@@ -66,7 +66,7 @@ def test_fast_lookup_answers_like_grpc(sidecar: SidecarProcess) -> None:
                     torch.zeros(50, SMALL_LAYOUT.block_bytes, dtype=torch.uint8),
                 )
             )
-        assert client._fast is not None
+        assert client._reader.fast is not None
         codes = {2: TierName.DRAM, 3: TierName.NVME}
 
         def grpc_tiers(run: list) -> tuple[TierName, ...]:
@@ -79,7 +79,7 @@ def test_fast_lookup_answers_like_grpc(sidecar: SidecarProcess) -> None:
             # answer with gRPC answers taken just before and after it.
             for _ in range(100):
                 before = grpc_tiers(run)
-                fast = client._sidecar_lookup(SMALL_LAYOUT, run, include_peers=False)
+                fast = client._reader.lookup(SMALL_LAYOUT, run, include_peers=False)
                 if before == grpc_tiers(run):
                     assert fast == before
                     break
@@ -139,10 +139,10 @@ def test_client_falls_back_to_grpc_without_fast_path(sidecar: SidecarProcess) ->
         client.store(
             SMALL_LAYOUT, keys, torch.zeros(3, SMALL_LAYOUT.block_bytes, dtype=torch.uint8)
         )
-        assert client._fast is not None
-        client._fast._sock.close()  # the fast connection breaks
+        assert client._reader.fast is not None
+        client._reader.fast._sock.close()  # the fast connection breaks
         assert client.lookup(SMALL_LAYOUT, keys).num_hits == 3  # answered over gRPC
-        assert client._fast is None
+        assert client._reader.fast is None
 
 
 def test_frame_layout_is_stable() -> None:

@@ -6,8 +6,9 @@ calls return; ``copier`` copies blocks between tensors and arena slots;
 ``hbm`` is the engine's device block pool; ``cuda`` the only CUDA-specific
 calls; ``fastpath`` the lookup fast-path client. The client's collaborators:
 ``control`` (channel, attach, control calls), ``arena_writer`` (reserve, copy,
-commit), ``hbm_writer`` (the pool's fills, evictions and write-downs),
-``releases`` (releases in flight), ``prefetch`` and ``tier_report``.
+commit), ``arena_reader`` (lookups, pins, loads), ``hbm_writer`` (the pool's
+fills, evictions and write-downs), ``releases`` (releases in flight),
+``prefetch`` and ``tier_report``.
 
 Never imports the sidecar's store, its services or lmdb: an engine process
 carries only this package, ``tierstore.memory`` and the shared vocabulary

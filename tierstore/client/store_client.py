@@ -16,7 +16,8 @@ Operations: ``register``, ``store``, ``load``, ``lookup``, ``acquire`` /
 ``stat``, ``report_load``, ``report_tiers``, ``close``.
 
 Collaborators, a module each: ``control`` (channel, attach, calls),
-``arena_writer`` (reserve, copy, commit), ``hbm_writer`` (the HBM pool's
+``arena_writer`` (reserve, copy, commit), ``arena_reader`` (lookups, pins,
+loads: HBM hits and runs from the arena), ``hbm_writer`` (the HBM pool's
 fills, evictions, write-downs), ``releases``, ``prefetch``, ``tier_report``.
 
 Runs in the engine process. A client may be used from several threads; the
@@ -27,13 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
+from tierstore.client.arena_reader import ArenaReader
 from tierstore.client.arena_writer import ArenaWriter
 from tierstore.client.control import ControlChannel
 from tierstore.client.copier import ArenaCopier, as_block_rows
@@ -55,7 +56,6 @@ from tierstore.errors import BlockSizeError
 from tierstore.fastwire import fast_socket_path
 from tierstore.keys import BlockKey, KVLayout, check_keys
 from tierstore.memory.arena import Arena
-from tierstore.tiers import TIER_BY_CODE, TierName
 from tierstore.v1 import common_pb2, local_pb2
 
 
@@ -117,27 +117,33 @@ class StoreClient:
         self.hbm = HbmTier(hbm_bytes, self.device) if hbm_bytes > 0 else None
         if self.hbm is not None:
             undo.callback(self.hbm.close)
+        fast: FastLookupClient | None = None
+        with contextlib.suppress(OSError):  # an older sidecar has none: gRPC serves lookups
+            fast = FastLookupClient(fast_socket_path(self.socket_path), call_timeout_s)
+        self._reader = ArenaReader(
+            self._control, self.arena, self.arena_tensor, self._copier, self._releases, fast
+        )
+        undo.callback(self._reader.close)
         self._arena_writer = ArenaWriter(self._control, self.arena, self._copier)
         self._hbm_writer: HbmWriter | None = None
         if self.hbm is not None:
-            self._hbm_writer = HbmWriter(
+            reader = self._reader
+            writer = HbmWriter(
                 self.hbm,
                 self._copier,
                 self._control.layouts,
                 write_down=self._arena_writer.write,
                 # A prefetch copies the arena's blocks into HBM only.
-                load_into=lambda layout, keys: len(self._load_run(layout, keys, None, True)),
+                load_into=lambda layout, keys: len(
+                    reader.load_run(layout, keys, None, writer.promote)
+                ),
                 evict_batch_blocks=hbm_evict_batch_blocks,
             )
+            self._hbm_writer = writer
         self._prefetcher = Prefetcher(
             self._control, self._hbm_writer.pull if self._hbm_writer is not None else None
         )
         undo.callback(self._prefetcher.close)
-        self._fast: FastLookupClient | None = None
-        with contextlib.suppress(OSError):  # an older sidecar has none: gRPC serves lookups
-            self._fast = FastLookupClient(fast_socket_path(self.socket_path), call_timeout_s)
-        if self._fast is not None:
-            undo.callback(self._fast.close)
         self._control.watch()
         # The HBM tier lives here: the sidecar shows it in `tierstore stat`
         # from these reports (every tier_report_s, and once at the start).
@@ -201,9 +207,6 @@ class StoreClient:
     def release_errors(self) -> int:
         """Releases that failed (their pins stay until this client detaches)."""
         return self._releases.errors
-
-    def _call(self, method: Any, request: Any, what: str) -> Any:
-        return self._control.call(method, request, what)
 
     def _req(
         self,
@@ -284,38 +287,8 @@ class StoreClient:
         with ``include_peers`` the other sidecars of the group."""
         keys = check_keys(keys)
         in_hbm = self.hbm.contains(keys) if self.hbm is not None else [False] * len(keys)
-        tiers: list[TierName] = []
-        i = 0
-        while i < len(keys):
-            if in_hbm[i]:
-                tiers.append(TierName.HBM)
-                i += 1
-                continue
-            run_end = i
-            while run_end < len(keys) and not in_hbm[run_end]:
-                run_end += 1
-            run = keys[i:run_end][: self.max_batch_keys]
-            found = self._sidecar_lookup(layout, run, include_peers)
-            tiers.extend(found)
-            i += len(found)
-            if len(found) < len(run):
-                break
+        tiers = self._reader.prefix(layout, keys, in_hbm, include_peers)
         return ClientLookup(len(tiers), tuple(tiers))
-
-    def _sidecar_lookup(
-        self, layout: KVLayout, keys: list[BlockKey], include_peers: bool
-    ) -> tuple[TierName, ...]:
-        """Tiers of the longest prefix the sidecar (and its peers) hold: over
-        the fast path when it can answer, else over gRPC."""
-        fp = self.register(layout)
-        if self._fast is not None and not include_peers:
-            try:
-                return self._fast.lookup(fp, keys)
-            except (OSError, ConnectionError):
-                self._fast.close()  # fall back to gRPC from now on
-                self._fast = None
-        reply = self._call(self._stub.Lookup, self._req(layout, keys, include_peers), "lookup")
-        return tuple(TIER_BY_CODE[c] for c in reply.tiers)
 
     def acquire(
         self,
@@ -329,44 +302,7 @@ class StoreClient:
         and with ``include_peers`` fetching what a peer holds, within
         ``deadline_s``) and return zero-copy views of it. Release when done
         (on CUDA, from the thread whose current stream ran the copies)."""
-        return self._acquire(layout, check_keys(keys), include_peers, deadline_s, True)
-
-    def _acquire(
-        self,
-        layout: KVLayout,
-        keys: list[BlockKey],
-        include_peers: bool,
-        deadline_s: float,
-        engine_copies: bool,
-    ) -> Pinned:
-        keys = keys[: self.max_batch_keys]
-        req = self._req(layout, keys, include_peers, deadline_s)
-        reply = self._call(self._stub.Acquire, req, "acquire")
-        offsets = list(reply.offsets)
-        for offset in offsets:  # page tables of units this process has not mapped yet
-            self.arena.ensure_ready(offset, layout.block_bytes)
-        tiers = tuple(TIER_BY_CODE[c] for c in reply.tiers)
-        return Pinned(
-            self.arena_tensor,
-            self._release,
-            self._copier.before_release,
-            layout,
-            keys[: len(offsets)],
-            offsets,
-            engine_copies,
-            tiers,
-        )
-
-    def _release(self, layout: KVLayout, keys: list[BlockKey]) -> None:
-        """Drop the pins without waiting for the reply: a load's copies are
-        done by now, so the round trip need not be on its path. Every later
-        control call of this client waits for the releases sent before it
-        (``PendingReleases.settle``), so what it sees or does comes after them."""
-        if keys and self.connected:
-            # Several releases in a row go out together; at most one per
-            # acquire made since the last control call is in flight.
-            future = self._stub.Release.future(self._req(layout, keys), timeout=self.call_timeout_s)
-            self._releases.add(future)
+        return self._reader.acquire(layout, check_keys(keys), include_peers, deadline_s, True)
 
     def load(
         self,
@@ -396,59 +332,12 @@ class StoreClient:
                 f"{len(keys)} blocks need {len(keys) * n}"
             )
         rows = out.reshape(-1).view(torch.uint8)[: len(keys) * n].view(len(keys), n)
-        # One deadline for the whole load, however many calls it takes.
-        deadline = time.monotonic() + deadline_s if deadline_s > 0 else None
         in_hbm = self.hbm.contains(keys) if self.hbm is not None else [False] * len(keys)
-        hbm = self._hbm_writer
-        tiers: list[TierName] = []
-        i = 0
-        while i < len(keys):
-            if in_hbm[i] and hbm is not None and hbm.read_into(keys[i], rows[i]):
-                tiers.append(TierName.HBM)
-                i += 1
-                continue
-            end = i + 1  # a run of blocks the sidecar must supply
-            while end < len(keys) and end - i < self.max_batch_keys and not in_hbm[end]:
-                end += 1
-            remaining_s = 0.0
-            if deadline is not None:
-                remaining_s = deadline - time.monotonic()
-                if remaining_s <= 0:
-                    break
-            got = self._load_run(
-                layout, keys[i:end], rows[i:end], promote, include_peers, remaining_s
-            )
-            tiers.extend(got)
-            i += len(got)
-            if len(got) < end - (i - len(got)):
-                break  # a gap: the rest must be prefilled
+        tiers = self._reader.load(
+            layout, keys, rows, in_hbm, self._hbm_writer, promote, include_peers, deadline_s
+        )
         self._copier.sync()
         return LoadResult(len(tiers), tuple(tiers), out)
-
-    def _load_run(
-        self,
-        layout: KVLayout,
-        keys: list[BlockKey],
-        rows: torch.Tensor | None,
-        promote: bool,
-        include_peers: bool = False,
-        deadline_s: float = 0.0,
-    ) -> list[TierName]:
-        # Acquire says where each block was found (and asks the peers, once,
-        # for what is missing here): two control calls per run, acquire and release.
-        # ``rows`` None: nothing is copied out (a prefetch into HBM promotes only).
-        with self._acquire(layout, keys, include_peers, deadline_s, False) as pinned:
-            if rows is not None:
-                self._copier.copy_runs(rows, pinned.offsets, layout.block_bytes)
-            if promote and self._hbm_writer is not None:
-                self._hbm_writer.promote(layout, pinned.keys, pinned.views)
-            self._copier.sync()  # copies out of the arena end before the pins go
-            if len(pinned.tiers) == len(pinned.keys):
-                return list(pinned.tiers)
-            # A sidecar that does not say (older): ask, as before.
-            local = list(self._sidecar_lookup(layout, pinned.keys, False))
-            beyond = TierName.PEER if include_peers else TierName.DRAM
-            return local + [beyond] * (len(pinned.keys) - len(local))
 
     def prefetch(
         self,
@@ -540,12 +429,12 @@ class StoreClient:
             wait_s=wait_s,
             prefill_tokens_per_s=prefill_tokens_per_s,
         )
-        return self._call(self._stub.ReportLoad, req, "report load").host
+        return self._control.call(self._stub.ReportLoad, req, "report load").host
 
     # -- inspection and shutdown ---------------------------------------------------------
 
     def stat(self) -> local_pb2.StatReply:
-        return self._call(self._stub.Stat, local_pb2.StatRequest(), "stat")
+        return self._control.call(self._stub.Stat, local_pb2.StatRequest(), "stat")
 
     def close(self) -> None:
         """Detach (the sidecar releases anything still pinned), unmap the arena."""
@@ -557,8 +446,7 @@ class StoreClient:
         self._stop_background()
         self._populator.join()  # it stops at the next unit; never madvise an unmapped range
         self._prefetcher.close()
-        if self._fast is not None:
-            self._fast.close()
+        self._reader.close()
         self._control.close()
         self._copier.close()
         if self.hbm is not None:
