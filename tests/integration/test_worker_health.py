@@ -137,7 +137,7 @@ def test_a_dead_replicator_is_visible(sidecar: Sidecar, caplog, monkeypatch) -> 
     def broken(push: object) -> None:
         raise Bug("replicator")
 
-    monkeypatch.setattr(tier, "_push", broken)
+    monkeypatch.setattr(tier.replicator, "_push", broken)
     keys = chain_keys(SMALL_LAYOUT, np.arange(SMALL_LAYOUT.block_tokens * 2))
     target = sidecar.config.peer.peers[0]
     with caplog.at_level("ERROR", logger="tierstore.workers"):

@@ -34,6 +34,13 @@ RECONNECT_OPTIONS = [  # a restarted peer is seen again within ~2 s (gRPC defaul
 MAX_MESSAGE_BYTES = 4 << 20
 
 
+def rpc_text(e: BaseException) -> str:
+    """A failed call's error in one line: its gRPC status and details, or the text."""
+    if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
+        return f"{e.code().name}: {e.details()}"
+    return str(e)
+
+
 def client_ssl_context(cfg: PeerConfig) -> ssl.SSLContext | None:
     if not cfg.tls_ca_file:
         return None

@@ -5,30 +5,22 @@ Provides:
   channel, replicate), every call authenticated and under a deadline;
 - ``PeerTier``: the group. ``lookup`` asks every peer at once and takes the
   longest continuation that answers in time; ``pull`` fetches blocks missing
-  here from the peer that holds them; ``stream`` hands the blocks a session's
-  running turn commits to the ``ReplicaStreamer`` (``tierstore.peer.stream``),
-  which pushes them to the session's spill host as they come; ``end_turn``
-  remembers a session's keys and queues the push of what is left;
-  ``import_replica`` is the receiving side of a push. Whether a session is
-  replicated is the replication policy's decision (``tierstore.policies``:
-  kv_share's ``min_tokens`` rule, or that rule as the floor with shorter
-  turns replicated while the link and the target's budget have headroom).
+  here from the peer that holds them; ``stream`` and ``end_turn`` are the
+  sending side of kv_share, the ``Replicator``'s (``tierstore.peer.replicator``:
+  blocks pushed to a session's spill host while its turn runs, and what is
+  left at its end, when the replication policy agrees);
+  ``import_replica`` is the receiving side of a push.
 
-Runs in the sidecar: lookups and pulls on RPC threads, pushes on the
-``tierstore-replicator`` threads and the ``tierstore-streamer`` thread. A
-timeout, refusal or error of a peer is a miss, counted, never an exception
-to the engine.
+Runs in the sidecar: lookups, pulls and imports on RPC threads (pushes on
+the replicator's threads). A timeout, refusal or error of a peer is a miss,
+counted, never an exception to the engine.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 
@@ -37,16 +29,12 @@ from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.membership.members import MemberSet, StaticMembers
 from tierstore.peer import codec
-from tierstore.peer.client import PeerClient
+from tierstore.peer.client import PeerClient, rpc_text
 from tierstore.peer.clients import PeerClients
 from tierstore.peer.data import ReceiveResult, Verifier, receive_blocks
-from tierstore.peer.pushq import PushQueue
-from tierstore.peer.stream import STREAM_COUNTERS, ReplicaStreamer
-from tierstore.policies.replication import (
-    ReplicaRequest,
-    make_replication_policy,
-    rendezvous_target,
-)
+from tierstore.peer.replicator import Push, Replicator
+from tierstore.peer.stream import STREAM_COUNTERS
+from tierstore.policies.replication import rendezvous_target
 from tierstore.ratelog import RateLimitedLog
 from tierstore.store.tiered import TieredStore
 from tierstore.v1 import peer_pb2
@@ -54,10 +42,8 @@ from tierstore.v1 import peer_pb2
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)  # per kind and peer: a flapping peer must not flood the log
 
-MAX_SESSIONS = 4096  # sessions whose last turn's keys are remembered
 LINK_PROBE_MIN_BYTES = 16 << 20  # raw transfers at least this large measure the link
 LINK_REPROBE_EVERY = 8  # with compression on, every 8th transfer goes raw to re-measure
-REPLICATOR_THREADS = 4  # replica pushes in flight at once
 
 
 # A dead peer and a stalled one call for different fixes (restart it; look at
@@ -89,17 +75,6 @@ PEER_COUNTERS = (
 )
 
 
-@dataclass
-class _Push:
-    session: str
-    layout: KVLayout
-    keys: list[BlockKey]
-    target: str
-    backlog_bytes: int  # counted in the policy's backlog until the push ends
-    done: threading.Event = field(default_factory=threading.Event)
-    reply: Any = None
-
-
 class PeerTier:
     """The group of peers. See the module docstring."""
 
@@ -122,34 +97,12 @@ class PeerTier:
             lambda addr: PeerClient(addr, cfg, token),
             exclude=self_address,
         )
-        self._lock = threading.Lock()
-        self._sessions: OrderedDict[str, tuple[KVLayout, list[BlockKey]]] = OrderedDict()
-        self._targets: OrderedDict[str, str] = OrderedDict()  # session -> last push target
-        self._rejected: dict[str, bool] = {}  # target -> its last reply rejected blocks
-        self._push_backlog_bytes = 0  # bytes of end_turn pushes queued or running
-        self.policy = make_replication_policy(
-            cfg.replicate_policy, cfg.min_tokens, cfg.replicate_headroom_s, cfg.link_bytes_per_s
-        )
         self._codec_bytes_per_s = _measure_codec()
         self.verifier = Verifier()  # received blocks are verified on every core
-        # One push in flight per target, oldest first (tierstore.peer.pushq);
-        # several workers: one slow or dead target must not hold up the
-        # pushes to the others.
-        self._pushes: PushQueue[_Push] = PushQueue(cfg.replicate_queue_max)
-        self._replicators = [
-            store.workers.start(f"tierstore-replicator-{i}", self._replicate_loop)
-            for i in range(REPLICATOR_THREADS)
-        ]
-        self.streamer = ReplicaStreamer(
-            self._stream_push,
-            self.link_bytes_per_s,
-            workers=store.workers,
-            counters=self.counters,
-            max_bytes=cfg.stream_max_bytes,
-            link_share=cfg.stream_link_share,
-            max_sessions=MAX_SESSIONS,
-            contended=self._pushes_running,
-        )
+        self.replicator = Replicator(
+            cfg, self_address, self._peers, self.spill_target,
+            counters=self.counters, workers=store.workers,
+        )  # fmt: skip
 
     @property
     def clients(self) -> dict[str, PeerClient]:
@@ -201,7 +154,7 @@ class PeerTier:
         except (grpc.RpcError, OSError) as e:
             self.counters.add("fetch_timeouts" if _timed_out(e, deadline) else "fetch_errors")
             _faults.warning(
-                f"fetch:{peer.address}", "fetch from %s failed: %s", peer.address, _rpc_text(e)
+                f"fetch:{peer.address}", "fetch from %s failed: %s", peer.address, rpc_text(e)
             )
             return ReceiveResult(error=str(e))
         self.counters.add("fetched_blocks", result.received)
@@ -255,67 +208,11 @@ class PeerTier:
             return False  # keep the link estimate current
         return 0 < peer.link.bytes_per_s < self._codec_bytes_per_s
 
-    # -- kv_share: the sending side ---------------------------------------------------
-
-    def link_bytes_per_s(self, target: str) -> float:
-        """The link rate to ``target``: measured, or the configured default."""
-        client = self.clients.get(target)
-        measured = client.link.bytes_per_s if client is not None else 0.0
-        return measured or self.cfg.link_bytes_per_s
-
-    def _decide(self, target: str, num_tokens: int, push_bytes: int) -> bool:
-        with self._lock:
-            backlog = self._push_backlog_bytes
-            rejected = self._rejected.get(target, False)
-        request = ReplicaRequest(
-            num_tokens=num_tokens,
-            push_bytes=push_bytes,
-            link_bytes_per_s=self.link_bytes_per_s(target),
-            backlog_bytes=backlog + self.streamer.backlog_bytes(),
-            target_rejected=rejected,
-        )
-        return self.policy.replicate(request)
-
-    def _target(self, session: str) -> str | None:
-        with self._lock:
-            target = self._targets.get(session)
-        return target if target is not None else self.spill_target(session)
+    # -- kv_share: the sending side (the replicator's) -----------------------------------
 
     def stream(self, session: str, layout: KVLayout, keys: list[BlockKey]) -> None:
-        """Blocks just committed for ``session``'s running turn: streamed to
-        its spill host (the last turn's push target) if the policy agrees."""
-        if not self.cfg.stream_replicas or not keys:
-            return
-        target = self._target(session)
-        if target is None or target not in self.clients:
-            return
-        with self._lock:
-            prev = self._sessions.get(session)
-        before = len(prev[1]) if prev is not None and prev[0] == layout else 0
-        context_blocks = before + self.streamer.offered_blocks(session) + len(keys)
-        ok = self._decide(
-            target, context_blocks * layout.block_tokens, len(keys) * layout.block_bytes
-        )
-        self.streamer.offer(session, target, layout, keys, ok)
-
-    def _stream_push(
-        self, target: str, layout: KVLayout, keys: list[BlockKey], session: str
-    ) -> int | None:
-        client = self.clients.get(target)
-        if client is None:
-            return None
-        try:
-            reply = client.replicate(
-                layout, keys, self.address, session, self.cfg.replicate_timeout_s
-            )
-        except grpc.RpcError as e:
-            _faults.warning(
-                f"stream:{target}", "streamed push to %s failed: %s", target, _rpc_text(e)
-            )
-            return None
-        with self._lock:
-            self._rejected[target] = reply.rejected > 0
-        return int(reply.imported)
+        """Blocks just committed for ``session``'s running turn (``Replicator.stream``)."""
+        self.replicator.stream(session, layout, keys)
 
     def end_turn(
         self,
@@ -325,42 +222,10 @@ class PeerTier:
         num_tokens: int,
         wait: bool,
         target: str | None,
-    ) -> _Push | None:
-        """Remember the session's keys and queue the push of what its
-        replica on ``target`` (a router's choice or the rendezvous spill
-        host; None: no push) still lacks, if the replication policy agrees.
-        Blocks streamed during the turn are held there already: the target
-        fetches only the rest."""
-        self.streamer.finish(session)
-        with self._lock:
-            prev = self._sessions.get(session)
-            self._sessions[session] = (layout, keys)
-            self._sessions.move_to_end(session)
-            while len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
-            if target is not None:
-                self._targets[session] = target
-                self._targets.move_to_end(session)
-                while len(self._targets) > MAX_SESSIONS:
-                    self._targets.popitem(last=False)
-        if target is None or not keys:
-            return None
-        shared = _shared_prefix(prev[1], keys) if prev is not None and prev[0] == layout else 0
-        push_bytes = (len(keys) - shared) * layout.block_bytes
-        if not self._decide(target, num_tokens, push_bytes):
-            self.counters.add("pushes_skipped")
-            return None
-        push = _Push(session, layout, keys, target, push_bytes)
-        with self._lock:
-            self._push_backlog_bytes += push_bytes
-        if not self._pushes.put(push):
-            with self._lock:
-                self._push_backlog_bytes -= push_bytes
-            self.counters.add("pushes_dropped")
-            return None
-        if wait:
-            push.done.wait(self.cfg.replicate_timeout_s + 5)
-        return push
+    ) -> Push | None:
+        """A session's turn ended: push what its replica on ``target`` lacks
+        (``Replicator.end_turn``)."""
+        return self.replicator.end_turn(session, layout, keys, num_tokens, wait, target)
 
     def fetch_bytes_per_s(self) -> float:
         """Mean link speed measured to the peers (0: none measured yet)."""
@@ -369,47 +234,6 @@ class PeerTier:
 
     def spill_target(self, session: str) -> str | None:
         return rendezvous_target(session, self.members(), exclude=self.address)
-
-    def _pushes_running(self) -> bool:
-        """end_turn pushes are queued or running (the streamer paces then)."""
-        with self._lock:
-            return self._push_backlog_bytes > 0
-
-    def _replicate_loop(self) -> None:
-        while True:
-            push = self._pushes.get()
-            if push is None:
-                return
-            try:
-                self._push(push)
-            finally:
-                self._pushes.done(push)
-                with self._lock:
-                    self._push_backlog_bytes -= push.backlog_bytes
-                push.done.set()
-
-    def _push(self, push: _Push) -> None:
-        client = self.clients.get(push.target)
-        if client is None:
-            return
-        self.counters.add("pushes")
-        try:
-            push.reply = client.replicate(
-                push.layout, push.keys, self.address, push.session, self.cfg.replicate_timeout_s
-            )
-        except grpc.RpcError as e:
-            self.counters.add("push_errors")
-            _faults.warning(
-                f"push:{push.target}",
-                "replica push of %s to %s failed: %s",
-                push.session,
-                push.target,
-                _rpc_text(e),
-            )
-            return
-        with self._lock:
-            self._rejected[push.target] = push.reply.rejected > 0
-        self.counters.add("pushed_blocks", push.reply.imported)
 
     # -- kv_share: the receiving side ---------------------------------------------------
 
@@ -464,24 +288,9 @@ class PeerTier:
         return reply
 
     def close(self) -> None:
-        self.streamer.close()
-        for push in self._pushes.drain():  # dropped: the process is going away
-            push.done.set()
-        self._pushes.close()
-        for t in self._replicators:
-            t.join(timeout=self.cfg.replicate_timeout_s + 5)
+        self.replicator.close()
         self._peers.close()
         self.verifier.close()
-
-
-def _shared_prefix(a: Sequence[BlockKey], b: Sequence[BlockKey]) -> int:
-    """Length of the common prefix of two key chains."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _timed_out(e: BaseException | None, deadline: float) -> bool:
@@ -492,12 +301,6 @@ def _timed_out(e: BaseException | None, deadline: float) -> bool:
     if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
         return bool(e.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
     return isinstance(e, TimeoutError) or time.monotonic() >= deadline
-
-
-def _rpc_text(e: BaseException) -> str:
-    if isinstance(e, grpc.RpcError) and hasattr(e, "code"):
-        return f"{e.code().name}: {e.details()}"
-    return str(e)
 
 
 def _measure_codec() -> float:
