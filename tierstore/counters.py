@@ -1,6 +1,6 @@
 """One counters mechanism for every part of a process: a fixed set of named,
 thread-safe integers, read as a snapshot by ``tierstore stat`` and
-``/metrics`` (exported from one place: ``tierstore.sidecar.service.stat_reply``).
+``/metrics`` (exported from one place: ``tierstore.sidecar.stat.stat_reply``).
 
 Names are declared when the set is made, so a misspelt name fails at its
 first use instead of counting into a new key nobody exports. ``add`` takes a

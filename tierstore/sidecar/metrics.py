@@ -2,24 +2,24 @@
 time (no per-operation cost on the hot paths).
 
 Runs in the sidecar: ``start_metrics_server`` serves ``/metrics`` from a
-background HTTP thread; the collector reads a stat snapshot per scrape.
+background HTTP thread; the collector reads a stat snapshot per scrape
+(``tierstore.sidecar.stat.stat_reply`` of the local service it is given,
+the same reply ``tierstore stat`` reads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
 from tierstore.errors import TierstoreError
+from tierstore.sidecar.stat import StatSource, stat_reply
 from tierstore.store.remote.tier import GAUGES as REMOTE_GAUGES
 from tierstore.store.tiered import STORE_GAUGES
-
-if TYPE_CHECKING:
-    from tierstore.sidecar.process import Sidecar
 
 TIER_GAUGES = ("capacity_bytes", "used_bytes", "num_blocks")
 TIER_COUNTERS = (
@@ -40,14 +40,11 @@ GAUGE_COUNTERS = {
 
 
 class SidecarCollector(Collector):
-    def __init__(self, sidecar: Sidecar) -> None:
-        self.sidecar = sidecar
+    def __init__(self, source: StatSource) -> None:
+        self.source = source
 
     def collect(self) -> Iterator[Any]:
-        reply = self.sidecar.servicer
-        from tierstore.sidecar.service import stat_reply  # avoid an import cycle at module load
-
-        stat = stat_reply(reply)
+        stat = stat_reply(self.source)
         for name in TIER_GAUGES:
             g = GaugeMetricFamily(f"tierstore_tier_{name}", f"Tier {name}", labels=["tier"])
             for t in stat.tiers:
@@ -69,16 +66,17 @@ class SidecarCollector(Collector):
         yield GaugeMetricFamily(
             "tierstore_clients", "Attached engine clients", value=len(stat.clients)
         )
-        load = self.sidecar.loads.host()  # what the host's engines last reported
+        load = self.source.loads.host()  # what the host's engines last reported
         for name in ("busy_slots", "slots", "queue_len"):
             yield GaugeMetricFamily(
                 f"tierstore_engine_{name}", f"Engines' reported {name}", value=getattr(load, name)
             )
 
 
-def start_metrics_server(sidecar: Sidecar, host: str, port: int) -> Any:
+def start_metrics_server(source: StatSource, host: str, port: int) -> Any:
+    """Serve ``/metrics`` of ``source`` (the local service) on ``host:port``."""
     registry = CollectorRegistry()
-    registry.register(SidecarCollector(sidecar))
+    registry.register(SidecarCollector(source))
     try:
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as e:

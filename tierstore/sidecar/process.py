@@ -23,7 +23,7 @@ import signal
 import threading
 from concurrent import futures
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,6 +32,7 @@ from tierstore import __version__
 from tierstore.config import Config
 from tierstore.errors import TierstoreError
 from tierstore.fastwire import fast_socket_path
+from tierstore.peer.service import PeerServer
 from tierstore.sidecar.fastpath import FastLookupServer
 from tierstore.sidecar.loadboard import LoadBoard
 from tierstore.sidecar.metrics import start_metrics_server
@@ -39,9 +40,6 @@ from tierstore.sidecar.service import MAX_MESSAGE_BYTES, SERVICE_NAME, LocalServ
 from tierstore.store.tiered import TieredStore
 from tierstore.v1 import local_pb2_grpc
 from tierstore.workers import Workers
-
-if TYPE_CHECKING:
-    from tierstore.peer.service import PeerServer
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +91,6 @@ class Sidecar:
         self.loads = LoadBoard(cfg.load_ttl_s)
         try:
             if config.peer.peer_port:
-                from tierstore.peer.service import PeerServer
-
                 self.peer_server = PeerServer(self.store, config.peer, self.loads)
             self.servicer = LocalServicer(
                 self.store, config, self.stopping, self.peer_server, self.loads
@@ -127,7 +123,9 @@ class Sidecar:
             )  # fmt: skip
             self.servicer.fast_lookup = self.fast_lookup
             if cfg.metrics_port:
-                self.metrics_server = start_metrics_server(self, cfg.metrics_host, cfg.metrics_port)
+                self.metrics_server = start_metrics_server(
+                    self.servicer, cfg.metrics_host, cfg.metrics_port
+                )
         except BaseException:
             self._close_store()
             raise

@@ -3,9 +3,9 @@
 Provides the handlers of ``LocalService`` (attach, layouts, two-phase
 writes, lookup, acquire/release, prefetch, end of turn, load reports, stat)
 over one TieredStore, with per-client cleanup: a client whose Attach stream
-ends, by exit or crash, has its reservations and pins released. ``stat_reply``
-builds the StatReply that ``tierstore stat`` and the metrics endpoint read.
-The process around it is ``tierstore.sidecar``.
+ends, by exit or crash, has its reservations and pins released. The attached
+clients are ``tierstore.sidecar.clients``'s table; Stat's reply is built by
+``tierstore.sidecar.stat``. The process around it is ``tierstore.sidecar``.
 
 Threads: gRPC's pool runs the handlers (one long-lived thread per attached
 client for its Attach stream, plus ``rpc_threads`` for unary calls); the
@@ -15,11 +15,9 @@ store's demoter and the prefetch workers run beside them.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -29,6 +27,7 @@ from tierstore.config import Config
 from tierstore.counters import Counters
 from tierstore.errors import TierstoreError
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, unpack_keys
+from tierstore.sidecar.clients import ENGINE_TIERS, AttachedClients, ClientSession
 from tierstore.sidecar.fastpath import FastLookupServer
 from tierstore.sidecar.loadboard import EngineLoad, LoadBoard
 from tierstore.sidecar.prefetch import (
@@ -39,6 +38,7 @@ from tierstore.sidecar.prefetch import (
     Timeout,
     WaitAll,
 )
+from tierstore.sidecar.stat import stat_reply
 from tierstore.store.tiered import STORE_OWNER, TieredStore
 from tierstore.tiers import TIER_CODES, TierName
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
@@ -64,9 +64,6 @@ MAX_MESSAGE_BYTES = 4 << 20
 # "not durable yet" reply arrives instead of a DEADLINE_EXCEEDED.
 DURABLE_REPLY_MARGIN_S = 0.25
 _DRAM, _PEER, _REMOTE = (TIER_CODES[t] for t in (TierName.DRAM, TierName.PEER, TierName.REMOTE))
-ENGINE_TIERS = (str(TierName.HBM),)  # tiers engines may report (ReportTiers), in display order
-U64_MAX = (1 << 64) - 1
-TIER_STAT_FIELDS = tuple(f for f in common_pb2.TierStat.DESCRIPTOR.fields_by_name if f != "name")
 
 
 class BadRequest(Exception):
@@ -75,14 +72,6 @@ class BadRequest(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-@dataclass
-class ClientSession:
-    client_id: int
-    name: str
-    pid: int
-    connected_at: float
 
 
 def _handler(method: Any) -> Any:
@@ -129,11 +118,7 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         if peer_server is not None:  # routers' pre-positioning hints run as prefetches
             peer_server.servicer.preposition = self._preposition
         self._stopping = stopping
-        self._clients: dict[int, ClientSession] = {}
-        self._lock = threading.Lock()
-        # Tiers that live in the engines (their HBM pools), as each client last
-        # reported them (ReportTiers); under _lock, dropped on detach.
-        self._engine_tiers: dict[int, list[common_pb2.TierStat]] = {}
+        self._clients = AttachedClients(self.cfg.max_clients)
         self.counters = Counters(SERVICE_COUNTERS)
         self.started_at = time.time()
 
@@ -145,22 +130,15 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
     def Attach(
         self, request: local_pb2.AttachRequest, context: grpc.ServicerContext
     ) -> Iterator[local_pb2.AttachEvent]:
-        with self._lock:
-            if len(self._clients) >= self.cfg.max_clients:
-                self.counters.add("clients_refused")
-                context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{len(self._clients)} clients attached; max_clients is {self.cfg.max_clients}",
-                )
-            # Random, not sequential: another process on the socket cannot
-            # guess a live client's id to release or commit in its name.
-            client_id = secrets.randbits(62) + 1
-            while client_id in self._clients:
-                client_id = secrets.randbits(62) + 1
-            self._clients[client_id] = ClientSession(
-                client_id, request.client_name[:128], request.pid, time.time()
+        client_id = self._clients.attach(request.client_name[:128], request.pid)
+        if client_id is None:
+            self.counters.add("clients_refused")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(self._clients)} clients attached; max_clients is {self.cfg.max_clients}",
             )
-            self.counters.add("clients_attached")
+            return
+        self.counters.add("clients_attached")
         done = threading.Event()
         try:
             # False: the call already ended (cancelled at once), and the
@@ -183,11 +161,9 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
 
     def _detach(self, client_id: int, done: threading.Event) -> None:
         done.set()
-        with self._lock:
-            if self._clients.pop(client_id, None) is None:
-                return
-            self.counters.add("clients_detached")
-            self._engine_tiers.pop(client_id, None)
+        if not self._clients.detach(client_id):
+            return
+        self.counters.add("clients_detached")
         self.loads.forget(client_id)
         aborted, pins = self.store.release_owner(client_id)
         self.count("leaked_reservations_released", aborted)
@@ -197,27 +173,24 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         """A client that detached while this call ran: free what the call made
         for it (detach removes the id before it releases, so between that
         release and this check nothing of the call's is missed)."""
-        with self._lock:
-            if owner in self._clients:
-                return
+        if owner in self._clients:
+            return
         aborted, pins = self.store.release_owner(owner)
         self.count("leaked_reservations_released", aborted)
         self.count("leaked_pins_released", pins)
         raise BadRequest(grpc.StatusCode.FAILED_PRECONDITION, f"client {owner} detached")
 
     def clients(self) -> list[ClientSession]:
-        with self._lock:
-            return list(self._clients.values())
+        return self._clients.sessions()
 
     # -- request checks -------------------------------------------------------------
 
     def _owner(self, client_id: int) -> int:
-        with self._lock:
-            if client_id not in self._clients:
-                raise BadRequest(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"client id {client_id} is not attached; call Attach first",
-                )
+        if client_id not in self._clients:
+            raise BadRequest(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"client id {client_id} is not attached; call Attach first",
+            )
         return client_id
 
     def _layout(self, layout_id: bytes) -> KVLayout:
@@ -463,22 +436,12 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"engine tiers must be distinct names among {list(ENGINE_TIERS)}, got {names}",
             )
-        with self._lock:
-            if owner in self._clients:  # not detached meanwhile
-                self._engine_tiers[owner] = list(request.tiers)
+        self._clients.report_tiers(owner, request.tiers)
         return local_pb2.ReportTiersReply()
 
     def engine_tiers(self) -> list[common_pb2.TierStat]:
         """The engines' tiers, each summed over the clients that reported it."""
-        with self._lock:
-            reports = [t for tiers in self._engine_tiers.values() for t in tiers]
-        summed: dict[str, common_pb2.TierStat] = {}
-        for t in reports:
-            total = summed.setdefault(t.name, common_pb2.TierStat(name=t.name))
-            for field in TIER_STAT_FIELDS:
-                # Saturating: a client's report of 2**64 - 1 must not break Stat.
-                setattr(total, field, min(getattr(total, field) + getattr(t, field), U64_MAX))
-        return [summed[name] for name in ENGINE_TIERS if name in summed]
+        return self._clients.engine_tiers()
 
     @_handler
     def Release(
@@ -528,59 +491,3 @@ class LocalServicer(local_pb2_grpc.LocalServiceServicer):
         self, request: local_pb2.StatRequest, context: grpc.ServicerContext
     ) -> local_pb2.StatReply:
         return stat_reply(self)
-
-
-def stat_reply(servicer: LocalServicer) -> local_pb2.StatReply:
-    stat = servicer.store.stat()
-    counters = dict(stat["store"])
-    counters.update(servicer.counters.snapshot())
-    if servicer.fast_lookup is not None:
-        fast = servicer.fast_lookup.counters.snapshot()
-        counters["fast_lookups"] = fast["lookups"]
-        counters["bad_requests"] += fast["bad_requests"]
-    if servicer.peer_server is not None:
-        counters.update(
-            {f"peer_{k}": v for k, v in servicer.peer_server.tier.counters.snapshot().items()}
-        )
-        counters.update(
-            {f"peer_{k}": v for k, v in servicer.peer_server.data.counters.snapshot().items()}
-        )
-        counters["replica_bytes"] = servicer.store.replica_bytes()
-        counters["peer_tls"] = int(servicer.peer_server.tls)
-        if servicer.peer_server.members is not None:
-            members = servicer.peer_server.members.counters.snapshot()
-            counters.update({f"membership_{k}": v for k, v in members.items()})
-    pf = servicer.prefetcher.counters.snapshot()
-    counters.update({f"prefetch_{k}": v for k, v in pf.items()})
-    failed = servicer.store.workers.failed()
-    counters["worker_failures"] = len(failed)
-    now = time.time()
-    return local_pb2.StatReply(
-        tiers=[
-            *servicer.engine_tiers(),
-            *(
-                common_pb2.TierStat(
-                    name=name, **{k: v for k, v in t.items() if k in TIER_STAT_FIELDS}
-                )
-                for name, t in stat["tiers"].items()
-            ),
-        ],
-        counters={k: int(v) for k, v in counters.items()},
-        clients=[
-            local_pb2.ClientInfo(
-                client_id=c.client_id,
-                name=c.name,
-                pid=c.pid,
-                connected_s=now - c.connected_at,
-                pins=servicer.store.pin_count(c.client_id),
-            )
-            for c in servicer.clients()
-        ],
-        version=__version__,
-        uptime_s=now - servicer.started_at,
-        socket_path=servicer.cfg.socket_path,
-        nvme_dir=servicer.config.store.nvme_dir if servicer.store.has_nvme else "",
-        load=host_load_proto(servicer.loads.host()),
-        failed_workers=[f"{name}: {error}" for name, error in sorted(failed.items())],
-        info=stat["info"],
-    )
