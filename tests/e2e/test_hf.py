@@ -8,7 +8,7 @@ families built differently (GPT-2: learned absolute positions, LayerNorm,
 fused QKV; GPT-NeoX: partial rotary, parallel residual) and for
 float16/bfloat16 layouts (and from DRAM for Falcon's multi-query heads and
 Qwen2). Models are built from configs (no weights
-are downloaded) with eager attention: see tierstore/engines/hf.py for why
+are downloaded) with eager attention: see tierstore/engines/hf/__init__.py for why
 sdpa is only close in float32. One sidecar serves the module (1 MiB of DRAM)
 and a pair of peered sidecars serves the peer tests.
 """
@@ -52,13 +52,8 @@ from harness import REPO
 from harness.sidecar import SidecarProcess, start_sidecar
 from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
-from tierstore.engines.hf import (
-    HFStoreAdapter,
-    InexactAttentionWarning,
-    UnsupportedModelError,
-    check_supported,
-    layout_for,
-)
+from tierstore.engines.hf import HFStoreAdapter, InexactAttentionWarning
+from tierstore.engines.hf.model import UnsupportedModelError, check_supported, layout_for
 from tierstore.keys import chain_keys
 from tierstore.tiers import TierName
 
@@ -483,7 +478,7 @@ def test_refuses_encoder_decoder() -> None:
 KEYS_SCRIPT = """
 import json, torch
 from tests.e2e.test_hf import build, prompt
-from tierstore.engines.hf import layout_for
+from tierstore.engines.hf.model import layout_for
 from tierstore.keys import chain_keys
 layout = layout_for(build())
 keys = chain_keys(layout, prompt(16 * 4, seed=1000).numpy())
