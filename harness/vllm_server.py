@@ -6,7 +6,10 @@ one reserved core like every engine of the tests, dev mode on (for
 ``/reset_prefix_cache``). Started with a bounded wait for ``/health``,
 stopped by process group.
 
-Provides ``api_server`` (the server's URL for a ``with`` block), ``http``,
+Provides ``api_server`` (the server's URL for a ``with`` block),
+``openai_server`` (the same with a tokenizer and chat template, on any
+address or inside a network namespace, with KV events), ``http_server``
+(any such server command, started and stopped by process group), ``http``,
 ``complete`` (greedy token ids of one completion) and ``metrics`` (its
 Prometheus samples). Runs in the caller's process and thread."""
 
@@ -20,7 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +31,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tierstore.cli.ports import free_port
 
-from . import child_env
+from . import REPO, child_env
 
 BLOCK = 128
 START_S = 300.0
+STOP_S = 30.0
+POLL_S = 0.5
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 120.0) -> bytes:
@@ -39,6 +44,51 @@ def http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 120.0)
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         return bytes(r.read())
+
+
+def log_tail(log: Path, chars: int = 4000) -> str:
+    return log.read_text(errors="replace")[-chars:]
+
+
+@contextlib.contextmanager
+def http_server(
+    cmd: list[str],
+    env: dict[str, str],
+    log: Path,
+    url: str,
+    start_s: float = START_S,
+    stop_s: float = STOP_S,
+    excerpt: Callable[[Path], str] = log_tail,
+) -> Iterator[None]:
+    """Run ``cmd`` (from the checkout's root, in a process group of its own,
+    its output appended to ``log``) for the block, once ``{url}/health``
+    answers 200 (at most ``start_s``; ``excerpt(log)`` is in the error).
+    Stopped by process group: SIGTERM, ``stop_s`` for it to exit, then SIGKILL
+    to whatever is left of the group (an engine core and its workers may
+    outlive the server itself)."""
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + start_s
+        while True:
+            with contextlib.suppress(OSError):
+                http(f"{url}/health", timeout_s=2.0)
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                why = f"exited {proc.poll()}" if proc.poll() is not None else "no /health"
+                raise RuntimeError(f"server {why} within {start_s:.0f} s:\n{excerpt(log)}")
+            time.sleep(POLL_S)
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(stop_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(stop_s)
 
 
 @contextlib.contextmanager
@@ -60,29 +110,52 @@ def api_server(
     if "--kv-cache-memory-bytes" not in extra:  # whole GiB: it would override the bytes
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     env["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_S
-        while True:
-            with contextlib.suppress(OSError):
-                http(f"{url}/health", timeout_s=2.0)
-                break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM server did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(0.5)
+    with http_server(cmd, env, log, url):
         yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+
+
+@contextlib.contextmanager
+def openai_server(
+    model: Path,
+    log: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    prefix: Sequence[str] = (),
+    block: int = BLOCK,
+    max_model_len: int = 8192,
+    transfer: dict[str, Any] | None = None,
+    events_port: int = 0,
+    env: dict[str, str] | None = None,
+    extra: Sequence[str] = (),
+) -> Iterator[str]:
+    """vLLM's OpenAI server as a deployment runs it: with the model's
+    tokenizer and chat template (``driver.chat_tokenizer``), so text and chat
+    requests work; on ``host:port`` (0: a free port), its command run behind
+    ``prefix`` (``Network.prefix(i)``: inside a namespace), the connector's
+    ``transfer`` config, KV events published on ``tcp://*:events_port`` (0:
+    none) and usage with ``cached_tokens``. Yields its base URL."""
+    port = port or free_port()
+    cmd = [
+        *prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model), "--served-model-name", "m", "--host", host, "--port", str(port),
+        "--dtype", "bfloat16", "--enforce-eager", "--enable-prefix-caching",
+        "--block-size", str(block), "--max-model-len", str(max_model_len),
+        "--enable-prompt-tokens-details", *extra,
+    ]  # fmt: skip
+    if transfer is not None:
+        cmd += ["--kv-transfer-config", json.dumps(transfer)]
+    if events_port:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://*:{events_port}"}  # fmt: skip
+        cmd += ["--kv-events-config", json.dumps(events)]
+    child = dict(child_env(), VLLM_CPU_NUM_OF_RESERVED_CPU="1", **(env or {}))
+    if "--kv-cache-memory-bytes" not in extra:
+        child.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    url = f"http://{host}:{port}"
+    with http_server(cmd, child, log, url):
+        yield url
 
 
 def metrics(url: str, prefix: str = "vllm:") -> dict[tuple[str, str], float]:

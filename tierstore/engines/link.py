@@ -16,11 +16,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from tierstore.client import StoreClient
 from tierstore.errors import TierstoreError
+from tierstore.keys import KVLayout
 
 log = logging.getLogger("tierstore.engines")
 
@@ -46,11 +48,14 @@ class LinkCounters:
 class StoreLink:
     """See the module docstring. ``settings`` has ``socket_path`` ("" for
     the config's default), ``connect_timeout_s``, ``call_timeout_s`` and
-    ``reconnect_s``; ``name`` is the client's name in ``tierstore stat``."""
+    ``reconnect_s``; ``name`` is the client's name in ``tierstore stat``;
+    ``layouts`` are registered on every connect, so that the sidecar names
+    them (to a gateway keying prompts) before the engine's first request."""
 
-    def __init__(self, settings: LinkSettings, name: str) -> None:
+    def __init__(self, settings: LinkSettings, name: str, layouts: Sequence[KVLayout] = ()) -> None:
         self.settings = settings
         self.name = name
+        self.layouts = tuple(layouts)
         self.counters = LinkCounters()
         self._client: StoreClient | None = None
         self._retry_at = 0.0
@@ -77,6 +82,12 @@ class StoreLink:
         except (TierstoreError, OSError) as e:
             self.counters.connect_failures += 1
             self._down(str(e))
+            return None
+        try:  # the sidecar lists the engine's layouts (PeerStat) from its start
+            for layout in self.layouts:
+                self._client.register(layout)
+        except TierstoreError as e:
+            self.failed(e)
             return None
         self.counters.connects += 1
         if self._down_logged:

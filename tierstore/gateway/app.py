@@ -23,11 +23,12 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from tierstore.gateway.fleet import Fleet
+from tierstore.gateway.fleet import Engine, Fleet
 from tierstore.gateway.forward import Attempt, Upstream, forward
 from tierstore.gateway.keys import prompt_keys
 from tierstore.gateway.metrics import GatewayMetrics
@@ -48,6 +49,15 @@ log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
 DEFAULT_PREFILL_TOKENS_PER_S = 8000.0  # before the ledger learned an engine's speed
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    request: Request
+    engines: list[Engine]  # up, serving the model
+    tokens: list[int] | None  # None: unknown (no tokenizer answered)
+    layout: KVLayout | None
+    keys: list[BlockKey]
 
 
 class Gateway:
@@ -76,7 +86,41 @@ class Gateway:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as e:
             raise ApiError(413, f"request body too large: {e.text}") from e
-        req = parse_request(kind, parse_json(raw))
+        p = await self.prepare(kind, parse_json(raw))
+        header_id = request.headers.get(SESSION_HEADER, "")[:256]
+        seen = self.sessions.find(p.keys, header_id)
+        turn = Turn(
+            layout=p.layout if p.keys else None,
+            keys=p.keys,
+            num_tokens=len(p.tokens) if p.tokens else 0,
+            session=seen.session,
+            last_host=seen.host,
+            candidates=self.fleet.candidates(p.engines, p.keys),
+        )
+        decision = await asyncio.to_thread(self.policy.place, turn)
+        layout, keys, tokens, req = p.layout, p.keys, p.tokens, p.request
+        if decision.preposition and layout is not None:
+            self.fleet.preposition(decision.order[0], layout, keys)
+        body = req.body
+        if self.uses_store and keys:
+            body = with_transfer_params(body, {"session": seen.session})
+        payload = raw if body is req.body else json.dumps(body).encode()
+        attempts = self._attempts(decision, turn, tokens)
+        tracker = _Tracker(self, arrived, decision, seen.session, header_id, keys, layout)
+        path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+        response, out = await forward(
+            request, path, payload, req.stream, attempts, self.upstream, tracker
+        )
+        reason = "failover" if out.retries else decision.reason
+        self.metrics.requests.labels(out.host, reason).inc()
+        return response
+
+    async def prepare(self, kind: RequestKind, body: dict[str, Any]) -> Prepared:
+        """What placement needs of a request body: it parsed, the engines
+        serving its model, its token ids and block keys (empty when no
+        tokenizer or layout can tell them). Raises ApiError for a request
+        the engines would refuse."""
+        req = parse_request(kind, body)
         engines = self.fleet.serving(req.model)
         if not engines:
             if not self.fleet.models():
@@ -100,32 +144,7 @@ class Gateway:
         keys: list[BlockKey] = []
         if layout is not None and tokens:
             keys = prompt_keys(layout, tokens, req.cache_salt)
-        header_id = request.headers.get(SESSION_HEADER, "")[:256]
-        seen = self.sessions.find(keys, header_id)
-        turn = Turn(
-            layout=layout if keys else None,
-            keys=keys,
-            num_tokens=len(tokens) if tokens else 0,
-            session=seen.session,
-            last_host=seen.host,
-            candidates=self.fleet.candidates(engines, keys),
-        )
-        decision = await asyncio.to_thread(self.policy.place, turn)
-        if decision.preposition and layout is not None:
-            self.fleet.preposition(decision.order[0], layout, keys)
-        body = req.body
-        if self.uses_store and keys:
-            body = with_transfer_params(body, {"session": seen.session})
-        payload = raw if body is req.body else json.dumps(body).encode()
-        attempts = self._attempts(decision, turn, tokens)
-        tracker = _Tracker(self, arrived, decision, seen.session, header_id, keys, layout)
-        path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
-        response, out = await forward(
-            request, path, payload, req.stream, attempts, self.upstream, tracker
-        )
-        reason = "failover" if out.retries else decision.reason
-        self.metrics.requests.labels(out.host, reason).inc()
-        return response
+        return Prepared(req, engines, tokens, layout, keys)
 
     def _check_length(self, req: Request, tokens: list[int] | None) -> None:
         limit = self.fleet.max_model_len(req.model)

@@ -34,7 +34,8 @@ from typing import Any
 import aiohttp
 import grpc
 
-from tierstore.config import GatewayConfig, PeerConfig
+from tierstore.config.gateway import GatewayConfig
+from tierstore.config.peer import PeerConfig
 from tierstore.gateway.backends import Backend, BackendSet
 from tierstore.gateway.load import EngineCounts, Ledger, host_load, scrape_counts
 from tierstore.gateway.metrics import GatewayMetrics
@@ -51,7 +52,7 @@ CACHE_SALT_MARK = "\x00cache_salt="  # a layout registered for a salted request 
 
 
 @dataclass(slots=True)
-class _Engine:
+class Engine:
     backend: Backend
     up: bool = False
     down_until: float = 0.0  # after a failed request: skipped until then
@@ -89,7 +90,7 @@ class Fleet:
         self.router = router
         self.ledger = Ledger()
         self._configured_layout = layout
-        self._engines: dict[str, _Engine] = {}
+        self._engines: dict[str, Engine] = {}
         self._version: int | None = None
         self._peer_clients: dict[str, PeerClient] = {}
         self.index: EngineIndex | None = EngineIndex(layout) if layout else None
@@ -99,7 +100,7 @@ class Fleet:
 
     # -- the picture ----------------------------------------------------------------------
 
-    def engines(self) -> list[_Engine]:
+    def engines(self) -> list[Engine]:
         return list(self._engines.values())
 
     def backend(self, name: str) -> Backend | None:
@@ -126,13 +127,13 @@ class Fleet:
         ]
         return min(lens) if lens else None
 
-    def serving(self, model: str) -> list[_Engine]:
+    def serving(self, model: str) -> list[Engine]:
         """Up engines serving ``model``; those in their down time after a failure last."""
         now = time.monotonic()
         live = [e for e in self._engines.values() if e.up and model in e.models]
         return sorted(live, key=lambda e: e.down_until > now)
 
-    def layout(self, engines: Sequence[_Engine]) -> KVLayout | None:
+    def layout(self, engines: Sequence[Engine]) -> KVLayout | None:
         """The layout to key a request for these engines: the one most of them
         registered (engines of one model share it), else the configured one."""
         seen = Counter(e.layout for e in engines if e.layout is not None)
@@ -140,7 +141,7 @@ class Fleet:
             return seen.most_common(1)[0][0]
         return self._configured_layout
 
-    def candidates(self, engines: Sequence[_Engine], keys: Sequence[BlockKey]) -> list[Candidate]:
+    def candidates(self, engines: Sequence[Engine], keys: Sequence[BlockKey]) -> list[Candidate]:
         now = time.monotonic()
         out = []
         for e in engines:
@@ -237,7 +238,7 @@ class Fleet:
             if old is not None and old.backend != b:
                 self._drop(name)
             if name not in self._engines:
-                self._engines[name] = _Engine(b)
+                self._engines[name] = Engine(b)
                 log.info("gateway: engine %s (%s) joined", name, b.url)
 
     def _drop(self, name: str) -> None:
@@ -253,7 +254,7 @@ class Fleet:
             self.metrics.backend_up.remove(name)
         log.info("gateway: engine %s (%s) left", name, e.backend.url)
 
-    async def _poll(self, e: _Engine) -> None:
+    async def _poll(self, e: Engine) -> None:
         name = e.backend.name
         try:
             async with self.http.get(
@@ -278,7 +279,7 @@ class Fleet:
             await self._read_layout(e)
         self._subscribe(e)
 
-    async def _read_models(self, e: _Engine) -> None:
+    async def _read_models(self, e: Engine) -> None:
         async with self.http.get(
             f"{e.backend.url}/v1/models", timeout=self._timeout(self.cfg.gateway_connect_timeout_s)
         ) as r:
@@ -286,7 +287,7 @@ class Fleet:
             data = (await r.json()).get("data") or []
         e.models = {str(m["id"]): m for m in data if isinstance(m, dict) and "id" in m}
 
-    async def _read_layout(self, e: _Engine) -> None:
+    async def _read_layout(self, e: Engine) -> None:
         client = self._peer_clients.get(e.backend.name)
         if client is None:
             token = self.peer.token()
@@ -302,7 +303,7 @@ class Fleet:
         if e.layout is not None and self.index is None:
             self.index = EngineIndex(e.layout)
 
-    def _subscribe(self, e: _Engine) -> None:
+    def _subscribe(self, e: Engine) -> None:
         if not e.backend.events or self.index is None:
             return
         if e.subscriber is not None and e.subscriber.alive():

@@ -171,7 +171,9 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
         self.layouts = engine_layouts(vllm_config, kv_cache_config, self.settings)
         self.groups = kv_groups(kv_cache_config)
         name = "vllm-scheduler" if role == KVConnectorRole.SCHEDULER else "vllm-worker"
-        self.link = StoreLink(self.settings, name)
+        self.link = StoreLink(self.settings, name, self.layouts)
+        if role == KVConnectorRole.SCHEDULER:
+            self.link.client()  # registers the layouts now (a sidecar that is down: later)
         self.planner = Planner(
             self.layouts,
             self._lookup,
