@@ -19,6 +19,7 @@ counted, never an exception to the engine.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -58,6 +59,7 @@ PEER_COUNTERS = (
     "fetch_errors",  # transfers that failed before their deadline: refused, reset, bad stream
     "fetch_timeouts",  # transfers cut by their deadline: a peer or link that stalled
     "fetch_verify_failures",
+    "pulls_joined",  # pulls that waited for the same prefix's pull already running here
     "pushes",
     "pushed_blocks",
     "push_errors",
@@ -98,6 +100,9 @@ class PeerTier:
             exclude=self_address,
         )
         self._codec_bytes_per_s = _measure_codec()
+        # Pulls in flight, by their prefix's first key (see ``pull``).
+        self._pulls: dict[tuple[bytes, BlockKey], threading.Event] = {}
+        self._pulls_lock = threading.Lock()
         self.verifier = Verifier()  # received blocks are verified on every core
         self.replicator = Replicator(
             cfg, self_address, self._peers, self.spill_target,
@@ -137,13 +142,36 @@ class PeerTier:
 
     def pull(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> int:
         """Fetch as much of the prefix ``keys`` (all missing here) as a peer
-        holds, within ``timeout_s``. Returns the blocks now held locally."""
-        deadline = time.monotonic() + timeout_s
-        peer, hits = self.lookup(layout, keys, min(timeout_s, self.cfg.peer_lookup_timeout_s))
-        if peer is None:
+        holds, within ``timeout_s``. Returns the blocks now held locally.
+
+        A pull of a prefix that another pull here is already fetching (a
+        gateway's pre-positioning, then the engine's own load of the same
+        turn) waits for that one, within ``timeout_s``, instead of fetching
+        the same blocks a second time, and answers what is held then."""
+        if not keys:
             return 0
-        result = self._fetch(peer, layout, list(keys[:hits]), deadline)
-        return result.received
+        token = (layout.fingerprint, keys[0])
+        with self._pulls_lock:
+            running = self._pulls.get(token)
+            leader = running is None
+            if running is None:
+                running = self._pulls[token] = threading.Event()
+        if not leader:
+            self.counters.add("pulls_joined")
+            running.wait(timeout_s)
+            held = self.store.held(keys)
+            return held.index(False) if False in held else len(held)
+        try:
+            deadline = time.monotonic() + timeout_s
+            lookup_s = min(timeout_s, self.cfg.peer_lookup_timeout_s)
+            peer, hits = self.lookup(layout, keys, lookup_s)
+            if peer is None:
+                return 0
+            return self._fetch(peer, layout, list(keys[:hits]), deadline).received
+        finally:
+            with self._pulls_lock:
+                del self._pulls[token]
+            running.set()
 
     def _fetch(
         self, peer: PeerClient, layout: KVLayout, keys: list[BlockKey], deadline: float

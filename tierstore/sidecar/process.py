@@ -32,6 +32,7 @@ from tierstore import __version__
 from tierstore.config import Config
 from tierstore.errors import TierstoreError
 from tierstore.fastwire import fast_socket_path
+from tierstore.notify import notify
 from tierstore.peer.service import PeerServer
 from tierstore.sidecar.fastpath import FastLookupServer
 from tierstore.sidecar.loadboard import LoadBoard
@@ -196,6 +197,8 @@ def serve(config: Config) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"tierstore serving on unix:{sidecar.socket_path}", flush=True)
+    notify("READY=1")  # systemd's Type=notify: the socket and the peer port serve
     stop_requested.wait()
+    notify("STOPPING=1")
     sidecar.stop()
     return 0
