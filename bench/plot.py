@@ -1,14 +1,15 @@
 """Charts for docs/benchmarks.md from the benchmarks' JSON output.
 
-    python bench/ttft.py --json > ttft.json
-    python bench/peer.py --json > peer.json
-    python bench/switch.py --simulate --json > sim.json
-    python bench/vllm.py --json > vllm.json
-    python bench/scale.py --json > scale.json
-    python bench/sglang.py --json > sglang.json   (--copy-threads 1, --keep-warm-s 5 for the others)
-    python bench/plot.py --sglang sglang*.json ...
-    python bench/plot.py --ttft ttft.json --peer peer.json --routing sim.json --vllm vllm.json \
-        --scale scale.json --out docs/img
+    python -m bench.engines.hf_ttft --json > ttft.json
+    python -m bench.peer.tier --json > peer.json
+    python -m bench.switch.run --simulate --json > sim.json
+    python -m bench.engines.vllm_kv --json > vllm.json
+    python -m bench.tiers.scale --json > scale.json
+    python -m bench.engines.sglang_hicache --json > sglang.json
+        (--copy-threads 1, --keep-warm-s 5 for the others)
+    python -m bench.plot --sglang sglang*.json ...
+    python -m bench.plot --ttft ttft.json --peer peer.json --routing sim.json \
+        --vllm vllm.json --scale scale.json --out docs/img
 
 Needs matplotlib (not a tierstore dependency: `pip install matplotlib`).
 """
@@ -220,7 +221,7 @@ def plot_rules(data: dict, out: Path) -> None:
 
 
 def plot_sglang(datas: list[dict], out: Path) -> None:
-    """Each bench/sglang.py run's tierstore v1 rounds, backup and prefetch,
+    """Each bench/engines/sglang_hicache.py run's tierstore v1 rounds, backup and prefetch,
     coloured by mode (copy threads, memory kept warm), with half of memcpy."""
     fig, axes = plt.subplots(1, 2, figsize=(9.6, 3.8), dpi=120, sharey=True)
     styles = {"warm": ("#55a868", "2 threads, memory kept warm"),
@@ -253,12 +254,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ttft", type=Path)
     parser.add_argument("--peer", type=Path)
-    parser.add_argument("--routing", type=Path, help="bench/switch.py --simulate --json output")
-    parser.add_argument("--vllm", type=Path, nargs="+", help="bench/vllm.py --json output(s)")
+    parser.add_argument("--routing", type=Path, help="bench.switch.run --simulate --json output")
+    parser.add_argument(
+        "--vllm", type=Path, nargs="+", help="bench.engines.vllm_kv --json output(s)"
+    )
     parser.add_argument("--vllm-name", default="vllm_ttft.png", help="the vLLM chart's file")
-    parser.add_argument("--scale", type=Path, help="bench/scale.py --json output")
-    parser.add_argument("--rules", type=Path, help="bench/switch.py --simulate --json output")
-    parser.add_argument("--sglang", type=Path, nargs="+", help="bench/sglang.py --json output(s)")
+    parser.add_argument("--scale", type=Path, help="bench.tiers.scale --json output")
+    parser.add_argument("--rules", type=Path, help="bench.switch.run --simulate --json output")
+    parser.add_argument(
+        "--sglang", type=Path, nargs="+", help="bench.engines.sglang_hicache --json output(s)"
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

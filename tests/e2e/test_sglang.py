@@ -1,7 +1,7 @@
 """SGLang's real HiCache controller on tierstore (tierstore.engines.sglang).
 
 Each test runs ``tierstore.engines.sglang.driver`` in SGLang's own
-environment (built by bench/sglang_env.sh on first use: torch 2.14.1 and
+environment (built by bench/engines/sglang_env.sh on first use: torch 2.14.1 and
 sglang 0.5.23, next to this environment's CPU torch 2.13.0): SGLang's
 ``MHATokenToKVPool`` on the CPU, its ``MHATokenToKVPoolHost`` in each of its
 three layouts and its ``HiCacheController`` with ``--hicache-storage-backend
@@ -47,12 +47,12 @@ def sglang_python() -> Path:
         os.environ.get("SGLANG_VENV") or Path.home() / ".cache" / "tierstore-bench" / "sglang-venv"
     )
     proc = subprocess.run(
-        ["bash", str(REPO / "bench" / "sglang_env.sh"), str(venv)],
+        ["bash", str(REPO / "bench" / "engines" / "sglang_env.sh"), str(venv)],
         capture_output=True,
         text=True,
         timeout=ENV_TIMEOUT_S,
     )
-    assert proc.returncode == 0, f"bench/sglang_env.sh failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, f"sglang_env.sh failed:\n{proc.stdout}\n{proc.stderr}"
     return venv / "bin" / "python"
 
 
@@ -100,7 +100,7 @@ CASES = [(layout, v1) for layout in LAYOUTS for v1 in (True, False)]
 
 # The v1 path with pages big enough for its copies to run on helper threads
 # (1 MiB blocks, 8 pages: two threads), the driver keeping the host pools and
-# the arena warm and timing its plain copies, as bench/sglang.py does.
+# the arena warm and timing its plain copies, as bench/engines/sglang_hicache.py does.
 THREADED = ("threaded", True)
 THREADED_SPEC = dict(layout="page_first_direct", interface_v1=True, layers=4, heads=8,
                      head_dim=128, page_size=64, settings={"copy_threads": 2},

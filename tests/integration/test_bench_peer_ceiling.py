@@ -1,19 +1,13 @@
-"""The peer benchmark's verified ceiling (bench/peer.py, bench/rawtcp.py) checks the bytes it
-really received: a raw TCP stream between two processes, each 2 MiB piece
+"""The peer benchmark's verified ceiling (bench/peer/tier.py, bench/peer/rawtcp.py)
+checks the bytes it really received: a raw TCP stream between two processes, each 2 MiB piece
 hashed on arrival and compared with the digest the sender computed before
 sending. A piece corrupted after its digest was taken must be flagged."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-# After site-packages: bench/vllm.py must not stand for vllm in later imports.
-sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
-
-from rawtcp import PIECE_BYTES, raw_stream
+from bench.peer.rawtcp import PIECE_BYTES, raw_stream
 
 
 @pytest.mark.parametrize("corrupt_piece", [0, 4])

@@ -1,17 +1,11 @@
-"""The serving benchmark's pure helpers (bench/serve_load.py): the workload's
+"""The serving benchmark's pure helpers (harness/chat_load.py): the workload's
 scripts, stream and metrics parsing, percentiles, summaries, output comparison."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-# After site-packages: bench/vllm.py must not stand for vllm in later imports.
-sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
-
-from serve_load import (
+from harness.chat_load import (
     Sample,
     Workload,
     conversations,
@@ -129,7 +123,7 @@ def test_output_mismatches() -> None:
 
 
 def test_sizing_keeps_vllms_cache_below_the_workload_and_the_stores_above() -> None:
-    from serve_engine import BLOCK_BYTES, BLOCK_TOKENS, sizing
+    from bench.serving.engine import BLOCK_BYTES, BLOCK_TOKENS, sizing
 
     w = Workload(users=8, turns=3, history_min_tokens=1024, history_max_tokens=4096)
     s = sizing(w, kv_cache_share=0.25)
@@ -143,7 +137,7 @@ def test_sizing_keeps_vllms_cache_below_the_workload_and_the_stores_above() -> N
 
 
 def test_mismatch_counts_split_first_and_returning_turns() -> None:
-    from vllm_serve import mismatch_counts
+    from bench.serving.vllm_serve import mismatch_counts
 
     bad = [
         {"user": 0, "turn": 0, "first_diff_index": 3},

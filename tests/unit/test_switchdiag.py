@@ -1,17 +1,11 @@
 """The switch benchmark's diagnosis of a host switch, and the perfect-sender
-replay of a run's turns (bench/switchdiag.py)."""
+replay of a run's turns (bench/switch/diag.py)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-# After site-packages: bench/vllm.py must not stand for vllm in later imports.
-sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
-
-from switchdiag import (
+from bench.switch.diag import (
     PushRecord,
     oracle_switches,
     peak_offered_load,

@@ -1,18 +1,14 @@
-"""The switch benchmark's pure parts: placement, classes, the fleet simulation."""
+"""The switch benchmark's pure parts (bench/switch/workload.py, sim.py):
+placement, classes, the fleet simulation."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-# After site-packages: bench/vllm.py must not stand for vllm in later imports.
-sys.path.append(str(Path(__file__).resolve().parents[2] / "bench"))
-
-from switchsim import SimConfig, Workload, choose_host, classify, percentile, simulate
-
+from bench.switch.sim import SimConfig, simulate
+from bench.switch.workload import Workload, choose_host, classify, percentile
 from tierstore.policies.replication import rendezvous_target
 
 MEMBERS = ["h0", "h1", "h2", "h3"]
@@ -89,8 +85,7 @@ def test_router_policy_runs_the_same_workload_and_is_deterministic() -> None:
 def test_the_router_waits_for_the_host_holding_a_long_prefix() -> None:
     """The placement's own decision: a session whose home is full but holds
     50k tokens waits a slot there (2.5 s) instead of prefilling 6 s elsewhere."""
-    from switchsim import RoutedPlacement
-
+    from bench.switch.sim import RoutedPlacement
     from tierstore.router.cost import DRAM
 
     members = ["h0", "h1"]

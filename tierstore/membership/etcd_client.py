@@ -9,7 +9,7 @@ expires). Every unary call has a deadline (``membership_timeout_s``).
 
 Why our own stubs (``tierstore/v1/etcd_rpc_pb2*``, from
 ``proto/tierstore/v1/etcd_rpc.proto``) rather than a PyPI client
-(``bench/etcd_clients.py`` measures them on one real etcd; docs/benchmarks.md):
+(``bench/membership/etcd_clients.py`` measures them on one real etcd; docs/benchmarks.md):
 python-etcd3 fails to import under protobuf >= 4; etcd-sdk-python is as fast
 but refuses every call for 300 s after one failed call and never logs in
 again after an etcd restart; etcd-client-py drops the lease id, so a member

@@ -5,13 +5,13 @@ that reads one byte of every 4 KiB page of the buffers added to it, once a
 period, and ``touch(buf)``, one such pass.
 
 Why: on a VM whose host takes back guest memory left idle (the 2-core
-Firecracker VMs here, ``bench/memage.py``), the first copy into or out of
+Firecracker VMs here, ``bench/tiers/memage.py``), the first copy into or out of
 memory nobody touched for a minute runs at half the speed of the next or
 less, and a read of one byte a page every 10 s keeps it at 0.92 of hot. A
 GPU host pins its host KV pools and tierstore's arena (and a VM with a GPU
 passed through has all its memory pinned), so it never meets this. The
 benches use ``KeepWarm`` to measure the copies as such a host would
-(``bench/sglang.py --keep-warm-s``); a pass over 5 GiB is about 1.3 M
+(``bench/engines/sglang_hicache.py --keep-warm-s``); a pass over 5 GiB is about 1.3 M
 reads.
 """
 

@@ -9,7 +9,7 @@ dynamic``)::
 - ``storage``: ``TierstoreStorage``, the ``HiCacheStorage`` SGLang builds;
 - ``pages``: host-pool pages as blocks, one byte order for every layout;
 - ``driver``: SGLang's real ``HiCacheController`` on the CPU against a
-  sidecar (tests and ``bench/sglang.py``; run from SGLang's environment).
+  sidecar (tests and ``bench/engines/sglang_hicache.py``; run from SGLang's environment).
 
 The class is imported on first use, so that ``pages`` needs no SGLang.
 """

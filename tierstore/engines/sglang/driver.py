@@ -1,6 +1,6 @@
 """SGLang's real HiCache controller on the CPU, backed by tierstore or HiCacheFile.
 
-Runs in SGLang's own environment (``bench/sglang_env.sh``), with the
+Runs in SGLang's own environment (``bench/engines/sglang_env.sh``), with the
 checkout on PYTHONPATH::
 
     python -m tierstore.engines.sglang.driver '{"socket_path": "...", ...}'
@@ -29,7 +29,7 @@ the run (``membench.time_memcpy``).
 
 Prints one JSON object (``Result``), or a list of them for a list of specs
 (run one after the other in this process). Used by tests/e2e/test_sglang.py and
-bench/sglang.py; not part of the backend SGLang loads.
+bench/engines/sglang_hicache.py; not part of the backend SGLang loads.
 """
 
 from __future__ import annotations

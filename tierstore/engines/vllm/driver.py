@@ -21,7 +21,7 @@ Provides:
 
 Fresh engine processes are what "warm from another process" means, and vLLM
 wants its ``LLM`` built under a ``__main__`` guard: the child is that
-``__main__``. Used by the tests, ``bench/vllm.py`` and ``tierstore demo
+``__main__``. Used by the tests, ``bench/engines/vllm_kv.py`` and ``tierstore demo
 --engine vllm``. The parent side imports neither vLLM nor torch.
 """
 

@@ -85,7 +85,7 @@ def decode_block(
     # wire, so the hash is off its critical path; blake3's thread pool,
     # woken for every 2 MiB block, cost 1.5x the CPU per block (0.63 ms
     # against 0.42 ms, a hash every 2 ms on 2 busy cores), taken from the
-    # GETs and the copies (bench/remote.py).
+    # GETs and the copies (bench/remote/tier.py).
     if blake3.blake3(payload, max_threads=1).digest() != digest:
         return None
     return payload

@@ -1,0 +1,3 @@
+"""The peer tier between real sidecars on loopback (tier) next to raw TCP
+between two processes (rawtcp).
+"""

@@ -1,0 +1,1 @@
+"""Long-running faults: the soak (soak), the long form of tests/reliability."""

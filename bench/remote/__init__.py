@@ -1,0 +1,1 @@
+"""The remote tier against a real SeaweedFS (tier)."""

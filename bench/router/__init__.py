@@ -1,0 +1,1 @@
+"""The router's decisions over real sidecars on loopback (decisions)."""
