@@ -85,61 +85,27 @@ import random
 import socket
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from bench.limits import GB, best_of, emit, memcpy_gbps
+from bench.engines.vllm_paths import BLOCK, SMALL, WIDE, ModelSpec, copy_runs_gbps, save_path_s
+from bench.limits import GB, emit, memcpy_gbps
 from harness import REPO
 from harness.sidecar import bench_sidecar
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import (
-    WIDE_KV,
     EngineError,
     VllmEngine,
     example_transfer_config,
     kv_transfer_config,
     tiny_llama,
 )
-from tierstore.keys import KVLayout, chain_keys
+from tierstore.keys import chain_keys
 
-BLOCK = 128
 MIN_DRAM_BYTES = 256 << 20
 MIN_NVME_BYTES = 1 << 30
-MEMCPY_THREADS = 1  # common.memcpy_gbps: one numpy copyto; the CPU mover copies on one thread
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The bench's random Llama: its ``tiny_llama`` arguments and KV shape."""
-
-    description: str
-    num_layers: int
-    kv_heads: int
-    head_dim: int
-    llama: dict[str, int] = field(default_factory=dict)
-    llm_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def block_bytes(self) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * BLOCK * 2  # K+V, bf16
-
-    def layout(self, name: str) -> KVLayout:
-        return KVLayout(name, self.num_layers, self.kv_heads, self.head_dim, "bfloat16", BLOCK)
-
-
-SMALL = ModelSpec("random Llama, 4 layers, hidden 256, 2 KV heads, bf16", 4, 2, 64)
-WIDE = ModelSpec(
-    "random Llama with an 8B model's KV per token: 24 layers, hidden 256, "
-    "8 KV heads of 128, bf16 (96 KiB a token)",
-    WIDE_KV["num_layers"],
-    WIDE_KV["kv_heads"],
-    WIDE_KV["head_dim"],
-    WIDE_KV,
-)
+MEMCPY_THREADS = 1  # limits.memcpy_gbps: one numpy copyto; the CPU mover copies on one thread
 
 
 def free_port() -> int:
@@ -253,65 +219,6 @@ def paired_cold(
             cold.own_cache_ttft[n] = statistics.median(again)
             ratios[n] = [w / c for w, c in zip(times[id(saving)], times[id(cold)])]
     return cold, saving, ratios
-
-
-def save_path_s(socket: Path, n: int, spec: ModelSpec, reps: int = 5) -> float:
-    """The connector's work for one cold prompt of ``n`` tokens (see the docstring)."""
-    import torch
-
-    from tierstore.engines.vllm.layout import ConnectorSettings
-    from tierstore.engines.vllm.link import StoreLink
-    from tierstore.engines.vllm.plan import SaveSpec
-    from tierstore.engines.vllm.worker import ConnectorWorker
-
-    layout = spec.layout("bench-save-path")
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(spec.num_layers)]
-    num_blocks = n // BLOCK + 2
-    page = (num_blocks, spec.kv_heads, BLOCK, 2 * spec.head_dim)
-    pages = {name: torch.randn(page).to(torch.bfloat16) for name in names}
-    settings = ConnectorSettings(socket_path=str(socket))
-    link = StoreLink(settings, "bench")
-    worker = ConnectorWorker(link, settings, lambda salt: (layout,), 0)
-    worker.register(pages, names, spec.block_bytes // spec.num_layers)
-    times = []
-    try:
-        for rep in range(reps):
-            tokens = [(n * 31 + rep * 7919 + i) % 100_000 for i in range(n)]  # never stored
-            t0 = time.perf_counter()
-            keys = chain_keys(layout, tokens)
-            client = link.client()
-            assert client is not None
-            client.lookup(layout, keys)
-            worker.reserve([SaveSpec("r", "", (tuple(keys),), tuple(range(len(keys))))])
-            for name in names:
-                worker.save_layer(name)
-            worker.end_step()
-            times.append(time.perf_counter() - t0)
-        assert worker.counters.saved_blocks == reps * (n // BLOCK), worker.counters
-    finally:
-        link.close()
-    return statistics.median(times)
-
-
-def copy_runs_gbps(spec: ModelSpec, num_blocks: int, repeats: int = 3) -> float:
-    """The load's copies between two touched buffers: per layer, one
-    ``copy_runs`` of every block's K and V plane out of an arena-ordered
-    buffer (block after block, each every layer's planes) into vLLM's
-    per-layer pages, as ``vllm.worker.CpuPageMover`` does; best of ``repeats``."""
-    from tierstore.memory.memcopy import copy_runs
-
-    inner = spec.block_bytes // spec.num_layers // 2  # one plane of one layer
-    src = np.ones(num_blocks * spec.block_bytes, dtype=np.uint8)
-    pages = [np.zeros(2 * num_blocks * inner, dtype=np.uint8) for _ in range(spec.num_layers)]
-    blocks = np.arange(num_blocks, dtype=np.int64)
-    page_offsets = np.concatenate([blocks * inner, (num_blocks + blocks) * inner])
-
-    def one() -> None:
-        for layer, page in enumerate(pages):
-            arena = blocks * spec.block_bytes + 2 * layer * inner
-            copy_runs(page, src, page_offsets, np.concatenate([arena, arena + inner]), inner)
-
-    return num_blocks * spec.block_bytes / best_of(repeats, one) / GB
 
 
 def push_to_nvme(socket: Path, spec: ModelSpec, dram_bytes: int) -> None:

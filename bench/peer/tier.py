@@ -80,17 +80,15 @@ time, idle waits included.
 from __future__ import annotations
 
 import argparse
-import collections
 import mmap
-import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +103,7 @@ from bench.limits import (
     memcpy_gbps,
     ratio,
 )
+from bench.peer.profile import profile_fetch
 from bench.peer.rawtcp import PIECE_BYTES, raw_stream
 from harness.sidecar import BENCH_SETTINGS, SidecarProcess, remove_arenas
 from tierstore.client import StoreClient
@@ -346,72 +345,11 @@ def measure_receiver(
     return out
 
 
-def profile_fetch(
-    rx: StoreClient, procs: dict[str, Sidecar], rounds: list[list[BlockKey]], directory: Path
-) -> None:
-    """py-spy (idle samples too) on A and B while B fetches each key set of
-    ``rounds``; raw stacks and a per-thread summary in ``directory``."""
-    spy = shutil.which("py-spy")
-    if spy is None:
-        raise RuntimeError("--profile needs py-spy (pip install py-spy)")
-    directory.mkdir(parents=True, exist_ok=True)
-    spies = {}
-    for side, name in (("sender", "a"), ("receiver", "b")):
-        cmd = [
-            spy,
-            "record",
-            "--pid",
-            str(procs[name].proc.pid),
-            "--rate",
-            "250",
-            "--idle",
-            "--threads",
-        ]
-        cmd += ["--nonblocking", "--format", "raw", "--output", str(directory / f"{side}.txt")]
-        spies[side] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1.0)  # py-spy attaches
-    try:
-        for keys in rounds:
-            pinned = rx.acquire(LAYOUT, keys, include_peers=True, deadline_s=DEADLINE_S)
-            pinned.release()
-    finally:
-        for p in spies.values():
-            p.send_signal(signal.SIGINT)
-        for p in spies.values():
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    lines = []
-    for side in spies:
-        lines += summarize_stacks(side, directory / f"{side}.txt")
-    (directory / "profile.txt").write_text("\n".join(lines) + "\n")
-
-
-PROFILED_THREADS = ("tierstore-data", "tierstore-verify", "tierstore-rpc", "tierstore-peer")
-
-
-def summarize_stacks(side: str, path: Path, top: int = 6) -> list[str]:
-    """Per tierstore thread kind: samples, and its innermost frames (self samples,
-    idle included: a thread parked on a lock or a socket shows where it waits)."""
-    if not path.exists():
-        return [f"{side}: no samples ({path} missing)"]
-    threads: collections.Counter[str] = collections.Counter()
-    leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        name = frames[0].partition(": ")[2].rstrip("_0123456789")
-        if not count.isdigit() or not name.startswith(PROFILED_THREADS):
-            continue
-        threads[name] += int(count)
-        leaves[name][frames[-1]] += int(count)
-    out = [f"== {side}"]
-    for name, total in threads.most_common():
-        out.append(f"  {name}: {total} samples")
-        out += [f"    {100 * n / total:5.1f}%  {f}" for f, n in leaves[name].most_common(top)]
-    return out
+def fetch_each(rx: StoreClient, rounds: list[list[BlockKey]]) -> None:
+    """Fetch each key set of ``rounds`` from the peers (profiled, not timed)."""
+    for keys in rounds:
+        pinned = rx.acquire(LAYOUT, keys, include_peers=True, deadline_s=DEADLINE_S)
+        pinned.release()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -465,7 +403,8 @@ def main(argv: list[str] | None = None) -> None:
                 figures[name] = measure_receiver(a, rx, procs, name, keys, data)
                 if name == "b" and args.profile:
                     rounds = [v for k, v in keys.items() if k.startswith("profile")]
-                    profile_fetch(rx, procs, rounds, Path(args.profile))
+                    pids = {"sender": procs["a"].pid, "receiver": procs["b"].pid}
+                    profile_fetch(pids, partial(fetch_each, rx, rounds), Path(args.profile))
                 sender_hashes = a.stat().counters["peer_send_hashes"] - send_hashes0
     raw_after = raw_tcp_gbps(delta)
     verified_after = raw_tcp_gbps(delta, verify=True)
