@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +60,14 @@ def http_server(
     start_s: float = START_S,
     stop_s: float = STOP_S,
     excerpt: Callable[[Path], str] = log_tail,
-) -> Iterator[None]:
+) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``cmd`` (from the checkout's root, in a process group of its own,
     its output appended to ``log``) for the block, once ``{url}/health``
     answers 200 (at most ``start_s``; ``excerpt(log)`` is in the error).
     Stopped by process group: SIGTERM, ``stop_s`` for it to exit, then SIGKILL
     to whatever is left of the group (an engine core and its workers may
-    outlive the server itself)."""
+    outlive the server itself). Yields the server's process (a test may
+    kill its group: ``os.killpg(proc.pid, SIGKILL)``)."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -80,7 +82,7 @@ def http_server(
                 why = f"exited {proc.poll()}" if proc.poll() is not None else "no /health"
                 raise RuntimeError(f"server {why} within {start_s:.0f} s:\n{excerpt(log)}")
             time.sleep(POLL_S)
-        yield
+        yield proc
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -115,6 +117,18 @@ def api_server(
         yield url
 
 
+@dataclass(frozen=True)
+class Server:
+    url: str
+    proc: subprocess.Popen[bytes]
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine processes (a host's engine dying)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(STOP_S)
+
+
 @contextlib.contextmanager
 def openai_server(
     model: Path,
@@ -129,13 +143,13 @@ def openai_server(
     events_port: int = 0,
     env: dict[str, str] | None = None,
     extra: Sequence[str] = (),
-) -> Iterator[str]:
+) -> Iterator[Server]:
     """vLLM's OpenAI server as a deployment runs it: with the model's
     tokenizer and chat template (``driver.chat_tokenizer``), so text and chat
     requests work; on ``host:port`` (0: a free port), its command run behind
     ``prefix`` (``Network.prefix(i)``: inside a namespace), the connector's
     ``transfer`` config, KV events published on ``tcp://*:events_port`` (0:
-    none) and usage with ``cached_tokens``. Yields its base URL."""
+    none) and usage with ``cached_tokens``. Yields its URL and process."""
     port = port or free_port()
     cmd = [
         *prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -154,8 +168,8 @@ def openai_server(
     if "--kv-cache-memory-bytes" not in extra:
         child.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     url = f"http://{host}:{port}"
-    with http_server(cmd, child, log, url):
-        yield url
+    with http_server(cmd, child, log, url) as proc:
+        yield Server(url, proc)
 
 
 def metrics(url: str, prefix: str = "vllm:") -> dict[tuple[str, str], float]:

@@ -4,36 +4,19 @@
 made on purpose: a 503, a connection dropped before the first byte, a stream
 cut after it, a stream held at its first chunk until the test lets it go.
 
-Runs on the event loop of ``LoopThread``: a loop on its own thread that tests
-drive with ``run`` (a coroutine, waited for with a deadline).
+Runs on the event loop of ``harness.gateway.LoopThread``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 WAIT_S = 30.0
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float = WAIT_S) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(WAIT_S)
 
 
 @dataclass

@@ -13,67 +13,30 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
+from harness.gateway import GatewayServer, LoopThread
 from tierstore.config import Config
 from tierstore.config.gateway import GatewayConfig
-from tierstore.gateway.app import make_app
-from tierstore.gateway.serve import build, http_session
 
-from .fake_engine import FakeEngine, LoopThread
+from .fake_engine import FakeEngine
 
 TIMEOUT = aiohttp.ClientTimeout(total=30)
 
 
-class Fleet:
+class Fleet(GatewayServer):
     """Fake engines and a gateway in front of them, on one background loop."""
 
     def __init__(self, lt: LoopThread, engines: list[FakeEngine], **gateway: Any) -> None:
-        self.lt, self.engines = lt, engines
+        self.engines = engines
         self.urls = [lt.run(e.start()) for e in engines]
         cfg = GatewayConfig(gateway_backends=tuple(self.urls), gateway_port=1,
                             gateway_load_poll_s=0.05, **gateway)  # fmt: skip
-        self.url = lt.run(self._start(Config(gateway=cfg)))
-
-    async def _start(self, config: Config) -> str:
-        self.http = http_session()
-        self.gw = build(config, self.http)
-        self.poll = asyncio.create_task(self.gw.fleet.run())
-        await asyncio.wait_for(self.gw.fleet.ready.wait(), 10)
-        self.runner = web.AppRunner(make_app(self.gw, config.gateway.gateway_max_body_bytes))
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
-
-    async def _stop(self) -> None:
-        self.poll.cancel()
-        await self.runner.cleanup()
-        await self.http.close()
-        self.gw.fleet.close()
-        for e in self.engines:
-            await e.stop()
+        super().__init__(lt, Config(gateway=cfg))
 
     def close(self) -> None:
-        self.lt.run(self._stop())
-
-    def post(
-        self, path: str, body: Any, raw: bytes | None = None
-    ) -> tuple[int, dict[str, str], bytes]:
-        async def go() -> tuple[int, dict[str, str], bytes]:
-            async with aiohttp.ClientSession(timeout=TIMEOUT) as s:
-                data = raw if raw is not None else json.dumps(body).encode()
-                async with s.post(self.url + path, data=data) as r:
-                    return r.status, dict(r.headers), await r.read()
-
-        return self.lt.run(go())
-
-    def get(self, path: str) -> tuple[int, bytes]:
-        async def go() -> tuple[int, bytes]:
-            async with aiohttp.ClientSession(timeout=TIMEOUT) as s, s.get(self.url + path) as r:
-                return r.status, await r.read()
-
-        return self.lt.run(go())
+        self.stop()
+        for e in self.engines:
+            self.lt.run(e.stop())
 
 
 @pytest.fixture

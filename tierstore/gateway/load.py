@@ -146,10 +146,15 @@ class Ledger:
             return max(total - min(now - oldest.sent_at, oldest.prefill_s), 0.0)
 
     def prefill_tokens_per_s(self, host: str) -> float:
-        """The prefill speed learned on ``host`` (0: no sample yet)."""
+        """The prefill speed learned on ``host``; for a host with no sample
+        yet, the mean of the others' (a measured host must not look slower
+        than one still at the configured guess); 0: none learned anywhere."""
         with self._lock:
             h = self._hosts.get(host)
-            return h.prefill_tokens_per_s if h else 0.0
+            if h is not None and h.prefill_tokens_per_s:
+                return h.prefill_tokens_per_s
+            known = [x.prefill_tokens_per_s for x in self._hosts.values() if x.prefill_tokens_per_s]
+            return sum(known) / len(known) if known else 0.0
 
     def mean_prefill_s(self) -> float:
         """The mean expected prefill of the requests in flight (0: none)."""

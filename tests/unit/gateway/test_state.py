@@ -98,6 +98,9 @@ def test_the_ledger_learns_prefill_speed_only_from_requests_that_ran_alone() -> 
     led.first_byte(busy2)  # sent while busy1 was in flight: not a speed sample
     assert led.prefill_tokens_per_s("h") == pytest.approx(2000, rel=0.05)
     assert busy1
+    # A host not measured yet is taken at the others' speed, not the config's guess.
+    assert led.prefill_tokens_per_s("new") == pytest.approx(2000, rel=0.05)
+    assert Ledger().prefill_tokens_per_s("any") == 0.0
 
 
 def test_host_load_counts_other_clients_waiting_requests() -> None:
