@@ -103,8 +103,8 @@ from bench.limits import (
     memcpy_gbps,
     ratio,
 )
-from bench.peer.profile import profile_fetch
 from bench.peer.rawtcp import PIECE_BYTES, raw_stream
+from bench.peer.stacks import profile_fetch
 from harness.sidecar import BENCH_SETTINGS, SidecarProcess, remove_arenas
 from tierstore.client import StoreClient
 from tierstore.keys import BlockKey, KVLayout, chain_keys
