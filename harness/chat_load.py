@@ -14,6 +14,10 @@ Provides:
   request, failures included (a user's conversation stops at its first
   failure: the next prompt would need the failed output; the turns it did not
   send are counted as skipped).
+- ``Scheduled`` and ``run_schedule(base_url, schedule)``: an open-loop load,
+  every request sent at the time its schedule fixes (so a slow run's late
+  turns do not delay the arrivals of the others), text, chat or token-id
+  prompts, with the gateway's placement headers recorded;
 - ``parse_sse_line``, ``parse_metrics`` (Prometheus text), ``percentile``,
   ``summarize`` and ``output_mismatches``: pure helpers, unit-tested
   (tests/unit/test_serve_load.py).
@@ -87,6 +91,9 @@ class Sample:
     error: str | None = None
     host: int = 0  # index of the server that served it
     place_s: float = 0.0  # time the placement took (a router's decision)
+    output_tokens: int = 0  # streamed tokens (usage's completion_tokens when given)
+    served_by: str = ""  # a gateway's x-tierstore-host: the engine that answered
+    placement: str = ""  # a gateway's x-tierstore-placement: why that engine
 
 
 Place = Callable[[int, int, list[int], list[int]], int]
@@ -259,6 +266,102 @@ def run_load(
     """Every user's conversation against ``urls``: the samples (sorted by
     user, turn), the load's wall seconds and the turns skipped after failures."""
     return asyncio.run(_run(urls, w, timeout_s, extra_body or {}, place))
+
+
+# -- open loop: every request sent at a time the schedule fixes -------------------------
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One request of a fixed schedule: sent ``at_s`` after the run's start,
+    whenever the earlier requests of its conversation finish."""
+
+    user: int
+    turn: int
+    at_s: float
+    path: str  # /v1/completions or /v1/chat/completions
+    body: dict[str, Any]  # streamed (``stream``, ``stream_options.include_usage``)
+    prompt_tokens: int  # its prompt's length, as the schedule knows it
+
+
+def _chunk_tokens(obj: dict[str, Any]) -> int:
+    """Tokens one streamed chunk carries: its token ids, else one for a
+    non-empty text or chat delta (vLLM streams a token per engine step)."""
+    n = 0
+    for choice in obj.get("choices") or []:
+        ids = choice.get("token_ids")
+        if ids:
+            n += len(ids)
+        elif choice.get("text") or (choice.get("delta") or {}).get("content"):
+            n += 1
+    return n
+
+
+async def stream_scheduled(
+    http: aiohttp.ClientSession, base_url: str, req: Scheduled, t0: float, timeout_s: float
+) -> Sample:
+    """Send ``req`` at its time and read its stream: TTFT (to the first
+    token, not the role-only first chat chunk), the gap before each later
+    token, the usage's cached prompt tokens, and the gateway's headers."""
+    await asyncio.sleep(max(0.0, t0 + req.at_s - time.perf_counter()))
+    sample = Sample(req.user, req.turn, req.turn > 0, req.prompt_tokens, time.perf_counter() - t0)
+    sent = time.perf_counter()
+    last: float | None = None
+    try:
+        async with http.post(base_url + req.path, json=req.body,
+                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:  # fmt: skip
+            sample.served_by = resp.headers.get("x-tierstore-host", "")
+            sample.placement = resp.headers.get("x-tierstore-placement", "")
+            if resp.status != 200:
+                sample.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return sample
+            async for raw in resp.content:
+                obj = parse_sse_line(raw.decode().strip())
+                if obj is None:
+                    continue
+                usage = obj.get("usage")
+                if usage:
+                    sample.prompt_tokens = usage.get("prompt_tokens", sample.prompt_tokens)
+                    sample.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens"
+                    )
+                    sample.output_tokens = usage.get("completion_tokens", sample.output_tokens)
+                got = _chunk_tokens(obj)
+                if not got:
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    sample.ttft_s = now - sent
+                else:
+                    sample.itl_s.extend([(now - last) / got] * got)
+                last = now
+                if not usage:
+                    sample.output_tokens += got
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
+        sample.error = f"{type(e).__name__}: {e}"[:300]
+    finally:
+        sample.end_s = time.perf_counter() - t0
+    if sample.error is None and sample.ttft_s is None:
+        sample.error = "the stream ended before a token"
+    return sample
+
+
+def run_schedule(
+    base_url: str, schedule: list[Scheduled], *, timeout_s: float
+) -> tuple[list[Sample], float]:
+    """Every request of ``schedule`` against ``base_url`` (a gateway or an
+    engine), each sent at its own time, none waiting for another (open
+    loop): the samples (by user, turn) and the run's wall seconds."""
+
+    async def run() -> tuple[list[Sample], float]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            t0 = time.perf_counter()
+            samples = await asyncio.gather(
+                *(stream_scheduled(http, base_url, r, t0, timeout_s) for r in schedule)
+            )
+            return sorted(samples, key=lambda s: (s.user, s.turn)), time.perf_counter() - t0
+
+    return asyncio.run(run())
 
 
 # -- statistics -----------------------------------------------------------------------

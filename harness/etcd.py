@@ -31,11 +31,15 @@ def etcd_binary() -> str | None:
 
 
 class EtcdProcess:
-    """One etcd member on 127.0.0.1, data in ``root``; ``endpoint`` is host:port."""
+    """One etcd member on ``host`` (default 127.0.0.1), data in ``root``;
+    ``endpoint`` is host:port."""
 
-    def __init__(self, root: Path, tls: dict[str, Path] | None = None) -> None:
+    def __init__(
+        self, root: Path, tls: dict[str, Path] | None = None, host: str = "127.0.0.1"
+    ) -> None:
         """``tls``: {"cert", "key", "ca"} PEM files: the client port speaks TLS
-        and requires client certificates signed by "ca"."""
+        and requires client certificates signed by "ca". ``host``: the client
+        port's address (a bridge's, for hosts in network namespaces)."""
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError(MISSING)
@@ -43,7 +47,7 @@ class EtcdProcess:
         self.root = root
         self.tls = tls
         self.client_port, self.peer_port = free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.endpoint = f"{host}:{self.client_port}"
         self.proc: subprocess.Popen[bytes] | None = None
         # Raft's fsyncs on a tmpfs: on a busy 2-core machine a disk fsync can
         # take longer than etcd's request timeout ("etcdserver: request timed

@@ -32,6 +32,7 @@ class FakeEngine:
     waiting: int = 0  # what /metrics says
     running: int = 0
     seen: list[dict[str, Any]] = field(default_factory=list)
+    tokenized: int = 0  # /tokenize calls
     url: str = ""
     runner: web.AppRunner | None = None
     release: asyncio.Event | None = None
@@ -75,6 +76,7 @@ class FakeEngine:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self.tokenized += 1
         text = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
         tokens = [len(w) for w in text.split()]
         return web.json_response({"tokens": tokens, "count": len(tokens)})

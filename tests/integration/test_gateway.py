@@ -165,10 +165,29 @@ def test_models_health_and_metrics(two: Fleet) -> None:
     _, text = two.get("/metrics")
     assert b"tierstore_gateway_requests_total{host=" in text and b'reason="round_robin"' in text
     assert b"tierstore_gateway_added_seconds_count 1.0" in text
-    # The chat's text went through an engine's /tokenize (no local tokenizer): 2 words.
-    assert two.engines[0].seen or two.engines[1].seen
+    # round_robin reads no keys: the chat's text was tokenized by its engine alone.
+    assert len(two.engines[0].seen) + len(two.engines[1].seen) == 1
+    assert two.engines[0].tokenized + two.engines[1].tokenized == 0
     for e in two.engines:
         two.lt.run(e.stop())
     two.lt.run(asyncio.sleep(0.3))  # a poll or two
     status, body = two.get("/health")
     assert status == 503 and not any(e["up"] for e in json.loads(body)["engines"].values())
+
+
+def test_prefix_aware_tokenizes_text_through_an_engine_without_a_local_tokenizer(
+    lt: LoopThread,
+) -> None:
+    layout = {"model": "x", "num_layers": 1, "num_kv_heads": 1, "head_dim": 1,
+              "dtype": "uint8", "block_tokens": 2}  # fmt: skip
+    fleet = Fleet(lt, [FakeEngine(), FakeEngine()], gateway_policy="prefix_aware",
+                  gateway_layout=json.dumps(layout))  # fmt: skip
+    try:
+        chat = {"model": "m", "messages": [{"role": "user", "content": "aa bbb c dddd e"}]}
+        status, _, _ = fleet.post("/v1/chat/completions", chat)
+        assert status == 200
+        assert sum(e.tokenized for e in fleet.engines) == 1
+        p = fleet.lt.run(fleet.gw.prepare("chat", dict(chat)))
+        assert p.tokens == [2, 3, 1, 4, 1] and len(p.keys) == 2  # the fake's ids: word lengths
+    finally:
+        fleet.close()

@@ -118,8 +118,9 @@ class Gateway:
     async def prepare(self, kind: RequestKind, body: dict[str, Any]) -> Prepared:
         """What placement needs of a request body: it parsed, the engines
         serving its model, its token ids and block keys (empty when no
-        tokenizer or layout can tell them). Raises ApiError for a request
-        the engines would refuse."""
+        tokenizer or layout can tell them, or the policy reads no keys: a
+        text prompt is then tokenized by the engine alone). Raises ApiError
+        for a request the engines would refuse."""
         req = parse_request(kind, body)
         engines = self.fleet.serving(req.model)
         if not engines:
@@ -133,12 +134,14 @@ class Gateway:
                 param="model",
                 code="model_not_found",
             )
-        try:
-            tokens = await prompt_tokens(req, self.tokenizer, self.fleet.tokenize)
-        except ApiError as e:
-            if e.status < 500:
-                raise
-            tokens = None  # no engine tokenized it: placed by load alone
+        tokens = req.token_ids
+        if self.policy.uses_keys:  # else the engine tokenizes (and checks the length) alone
+            try:
+                tokens = await prompt_tokens(req, self.tokenizer, self.fleet.tokenize)
+            except ApiError as e:
+                if e.status < 500:
+                    raise
+                tokens = None  # no engine tokenized it: placed by load alone
         self._check_length(req, tokens)
         layout = self.fleet.layout(engines)
         keys: list[BlockKey] = []

@@ -69,6 +69,7 @@ class Decision:
 
 class Policy(Protocol):
     name: str
+    uses_keys: bool  # placement reads the prompt's block keys (text is tokenized for it)
 
     def place(self, turn: Turn) -> Decision: ...
 
@@ -80,6 +81,7 @@ def _rotate(names: Sequence[str], start: int) -> tuple[str, ...]:
 
 class RoundRobin:
     name = "round_robin"
+    uses_keys = False
 
     def __init__(self) -> None:
         self._next = itertools.count()
@@ -91,6 +93,7 @@ class RoundRobin:
 
 class LeastLoaded:
     name = "least_loaded"
+    uses_keys = False
 
     def __init__(self) -> None:
         self._next = itertools.count()
@@ -109,6 +112,7 @@ class PrefixAware:
     """llm-d's precise prefix-cache scoring with a queue threshold."""
 
     name = "prefix_aware"
+    uses_keys = True
 
     def __init__(self, max_waiting: float) -> None:
         self.max_waiting = max_waiting
@@ -131,6 +135,8 @@ Route = Callable[..., Plan]
 
 class CostModel:
     """Lowest estimated TTFT (``tierstore.router``); see the module docstring."""
+
+    uses_keys = True
 
     def __init__(self, route: Route, *, preposition: bool, fallback: LeastLoaded | None = None):
         self.name = "tierstore" if preposition else "tierstore_no_preposition"

