@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from types import FrameType
 from typing import Any
 
 CLONE_NEWNET = 0x40000000
+_networks = itertools.count()  # networks made by this process
 COMMAND_TIMEOUT_S = 20.0
 
 
@@ -154,7 +156,10 @@ class Network:
         root_addr: str | None = None,
     ) -> None:
         assert 2 <= hosts <= 250
-        tag = f"{os.getpid() % 100000}"
+        # The pid and a count of this process's networks: the kernel removes a
+        # deleted namespace's devices in the background, so a name used a
+        # moment ago by the previous network may still exist.
+        tag = f"{os.getpid() % 100000}n{next(_networks) % 100}"
         self.ns = [f"{prefix}{tag}h{i}" for i in range(hosts)]
         self.dev = [f"{prefix}{tag}v{i}" for i in range(hosts)]
         self.addr = [f"{subnet}.{i + 1}" for i in range(hosts)]
@@ -186,6 +191,7 @@ class Network:
         for i, (ns, dev) in enumerate(zip(self.ns, self.dev)):
             port = f"{self.bridge}{i}"
             ip("link", "add", dev, "netns", ns, "type", "veth", "peer", "name", port)
+            self._created.append(port)
             ip("link", "set", port, "master", self.bridge)
             ip("link", "set", port, "up")
         if self.root_addr is not None:
@@ -231,8 +237,8 @@ class Network:
         """Remove the namespaces (their veth ends take the peers with them) and the bridge."""
         while self._created:
             name = self._created.pop()
-            if name == self.bridge:
+            if name in self.ns:
+                delete_namespace(name)
+            else:  # the bridge and its ports, at once (not when the kernel gets to them)
                 with contextlib.suppress(RuntimeError):
                     ip("link", "del", name, check=False)
-            else:
-                delete_namespace(name)
