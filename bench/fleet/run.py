@@ -101,11 +101,12 @@ def model_dir() -> Path:
 
 
 def sizing(w: FleetWorkload) -> Sizing:
-    """vLLM's own cache holds about a third of the users' final contexts (so
-    conversations are evicted from it); a sidecar's DRAM holds them all."""
+    """vLLM's own cache holds three conversations' final contexts (a GPU's
+    HBM holds a few long sessions: they are evicted between turns); a
+    sidecar's DRAM holds them all."""
     final = w.context_tokens + w.history_tokens + w.turns * (w.message_tokens + w.output_tokens)
     total_tokens = w.users * (final + 64)
-    kv = max(total_tokens // 3, 3 * final) * KV_BYTES_PER_TOKEN
+    kv = 3 * final * KV_BYTES_PER_TOKEN
     dram = -(-int(total_tokens * KV_BYTES_PER_TOKEN * 1.5) // (64 << 20)) * (64 << 20)
     max_len = -(-(final + 256) // BLOCK_TOKENS) * BLOCK_TOKENS
     return Sizing(kv_cache_bytes=kv, dram_bytes=dram, nvme_bytes=2 * dram, max_model_len=max_len)
@@ -271,21 +272,26 @@ def run_mode(
     *,
     overhead_pairs: int = 0,
     kill_at_s: float | None = None,
+    replicas: bool = True,
 ) -> dict[str, Any]:
     requests = schedule(w)
-    with Fleet(root, MODES[mode], link, sizing(w), model) as fleet:
+    with Fleet(root, MODES[mode], link, sizing(w), model, replicas=replicas) as fleet:
         warm_up(fleet.gateway_url, w)
         if kill_at_s is not None:  # the failover run: host 0's engine dies mid-run
             timer = threading.Timer(kill_at_s, fleet.engines[0].kill)
             timer.start()
         t0 = time.monotonic()
+        cpu0 = fleet.cpu_seconds()
         samples, wall_s = run_schedule(
             fleet.gateway_url, scheduled(requests, w), timeout_s=REQUEST_TIMEOUT_S
         )
+        cpu1 = fleet.cpu_seconds()
         if kill_at_s is not None:
             timer.cancel()
         figures = turn_figures(samples, fleet.host_of)
         figures["wall_s"] = round(wall_s, 2)
+        # Where the CPU went during the load (this machine's cores are shared by all).
+        figures["cpu_s"] = {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1}
         figures["prompt_tokens_by_source"] = prompt_sources(fleet) if kill_at_s is None else {}
         figures["sidecar_counters"] = [
             {
@@ -360,6 +366,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a small workload (a smoke run)")
     p.add_argument("--no-failover", action="store_true", help="skip the failover run")
     p.add_argument("--overhead-pairs", type=int, default=40)
+    p.add_argument(
+        "--replicas",
+        choices=("on", "off"),
+        default="on",
+        help="sidecars push each turn's blocks to the other host (kv_share)",
+    )
     p.add_argument("--out", type=Path, help="write the JSON here too")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
     args = p.parse_args()
@@ -377,13 +389,22 @@ def main() -> int:
         "workload": asdict(w),
         "returning_turns_scheduled": w.returning_turns,
         "sizing": asdict(sizing(w)),
+        "replicas": args.replicas,
         "repeats": args.repeats,
     }
     order = list(modes)
     for r in range(args.repeats):
         for mode in order:
             pairs = args.overhead_pairs if mode == "tierstore" and r == 0 else 0
-            out = run_mode(root / f"r{r}-{mode}", mode, args.link, w, model, overhead_pairs=pairs)
+            out = run_mode(
+                root / f"r{r}-{mode}",
+                mode,
+                args.link,
+                w,
+                model,
+                overhead_pairs=pairs,
+                replicas=args.replicas == "on",
+            )
             if "overhead" in out:
                 result["gateway_overhead"] = out.pop("overhead")
                 result["gateway_overhead_p50_ms"] = result["gateway_overhead"][
@@ -394,7 +415,15 @@ def main() -> int:
     result["modes"] = {m: summarize(v) for m, v in runs.items()}
     if not args.no_failover:
         span = max(r.at_s for r in schedule(w))
-        out = run_mode(root / "failover", "tierstore", args.link, w, model, kill_at_s=span / 2)
+        out = run_mode(
+            root / "failover",
+            "tierstore",
+            args.link,
+            w,
+            model,
+            kill_at_s=span / 2,
+            replicas=args.replicas == "on",
+        )
         result["failover"] = out["failover"]
     result["targets"] = targets(result)
     if args.out:

@@ -84,10 +84,12 @@ class Sizing:
 
 class Fleet:
     def __init__(
-        self, root: Path, mode: Mode, link: str, sizing: Sizing, model: Path, hosts: int = 2
-    ) -> None:
+        self, root: Path, mode: Mode, link: str, sizing: Sizing, model: Path, hosts: int = 2,
+        replicas: bool = True,
+    ) -> None:  # fmt: skip
         self.root, self.mode, self.link, self.sizing, self.model = root, mode, link, sizing, model
         self.hosts = hosts
+        self.replicas = replicas
         self.stack = ExitStack()
         self.net: Network
         self.sidecars: list[SidecarProcess] = []
@@ -137,8 +139,8 @@ class Fleet:
                 "dram_segment_bytes=64MiB", "log_level=warning", f"peer_host={addr}",
                 f"peer_port={PEER_PORT}", f"peer_token={TOKEN}", f"membership={membership}",
                 "membership_ttl_s=5", f"engine_url=http://{addr}:{ENGINE_PORT}",
-                f"engine_events=tcp://{addr}:{EVENTS_PORT}", "min_tokens=1024",
-                f"link_bytes_per_s={LINK_RATES[self.link][1]:g}",
+                f"engine_events=tcp://{addr}:{EVENTS_PORT}",
+                f"link_bytes_per_s={LINK_RATES[self.link][1]:g}", *self.replica_settings(),
             ),
         )  # fmt: skip
         sc.start(timeout_s=60.0)
@@ -149,6 +151,13 @@ class Fleet:
 
         self.stack.callback(stop)
         return sc
+
+    def replica_settings(self) -> tuple[str, ...]:
+        """Replicas pushed to the other host during and after each turn
+        (``replicas``), or none: moved turns then pull at the switch."""
+        if self.replicas:
+            return ("min_tokens=1024", "replicate_policy=headroom", "stream_replicas=true")
+        return ("min_tokens=1000000", "replicate_policy=kv_share", "stream_replicas=false")
 
     def _engine(self, i: int) -> tuple[Any, Server]:
         """Start host ``i``'s engine (on a thread: both start at once)."""
@@ -248,6 +257,31 @@ class Fleet:
 
     def sidecar_counters(self, i: int) -> dict[str, int]:
         return self.sidecars[i].counters() if self.sidecars else {}
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by each part: every engine's process group
+        (API server, engine core, workers), every sidecar, the gateway."""
+        groups = {f"engine{i}": e.proc.pid for i, e in enumerate(self.engines)}
+        pids = {f"sidecar{i}": sc.pid for i, sc in enumerate(self.sidecars)}
+        if self._gateway is not None:
+            pids["gateway"] = self._gateway.pid
+        out = dict.fromkeys([*groups, *pids], 0.0)
+        tick = os.sysconf("SC_CLK_TCK")
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # exited meanwhile
+            pid, pgrp, cpu = int(entry), int(fields[2]), (int(fields[11]) + int(fields[12])) / tick
+            for name, group in groups.items():
+                if pgrp == group:
+                    out[name] += cpu
+            for name, own in pids.items():
+                if pid == own:
+                    out[name] += cpu
+        return {k: round(v, 2) for k, v in out.items()}
 
     def log_tail(self, name: str, chars: int = 3000) -> str:
         path = self.root / name

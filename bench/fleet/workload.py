@@ -38,10 +38,10 @@ class FleetWorkload:
     context_tokens: int = 1024  # each group's shared context
     history_tokens: int = 2048  # each user's own history before its first turn
     message_tokens: int = 96  # each later user message
-    output_tokens: int = 48  # per turn (ignore_eos: exactly this many)
+    output_tokens: int = 16  # per turn (ignore_eos: exactly this many)
     think_s: float = 24.0  # between a user's turns
     hot_think_s: float = 8.0  # between a hot user's turns
-    start_spread_s: float = 20.0  # first turns spread over this
+    start_spread_s: float = 40.0  # first turns spread over this
     jitter: float = 0.2  # each gap scaled by a factor in [1 - jitter, 1 + jitter]
     seed: int = 2026
     vocab_words: int = 1000  # w0 .. w999 (chat_tokenizer's words of a 1024-id vocabulary)

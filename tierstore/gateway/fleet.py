@@ -37,7 +37,13 @@ import grpc
 from tierstore.config.gateway import GatewayConfig
 from tierstore.config.peer import PeerConfig
 from tierstore.gateway.backends import Backend, BackendSet
-from tierstore.gateway.load import EngineCounts, Ledger, host_load, scrape_counts
+from tierstore.gateway.load import (
+    EngineCounts,
+    Ledger,
+    PrefillMeter,
+    host_load,
+    scrape_counts,
+)
 from tierstore.gateway.metrics import GatewayMetrics
 from tierstore.gateway.placement import Candidate
 from tierstore.gateway.requests import ApiError
@@ -58,6 +64,7 @@ class Engine:
     down_until: float = 0.0  # after a failed request: skipped until then
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> model card
     counts: EngineCounts | None = None
+    prefill: PrefillMeter = field(default_factory=PrefillMeter)  # the speed it reports
     layout: KVLayout | None = None  # the base layout its sidecar's engine registered
     subscriber: EngineSubscriber | None = None
     models_at: float = 0.0
@@ -162,7 +169,9 @@ class Fleet:
                     waiting=max(float(waiting), engine_waiting),
                     in_flight=max(float(waiting + streaming), engine_waiting + engine_running),
                     hbm=self.index.prefix(name, keys) if self.index is not None and keys else b"",
-                    prefill_tokens_per_s=self.ledger.prefill_tokens_per_s(name),
+                    # The engine's own figure, else what the gateway saw of its TTFTs.
+                    prefill_tokens_per_s=e.prefill.tokens_per_s
+                    or self.ledger.prefill_tokens_per_s(name),
                 )
             )
         return out
@@ -263,6 +272,7 @@ class Fleet:
             ) as r:
                 r.raise_for_status()
                 e.counts = scrape_counts(await r.text())
+            e.prefill.update(e.counts)
             now = time.monotonic()
             if not e.up or now - e.models_at >= self.cfg.gateway_models_poll_s:
                 await self._read_models(e)

@@ -4,9 +4,11 @@ Provides:
 - ``scrape_counts(text)``: running and waiting requests from an engine's
   Prometheus page (vLLM's ``vllm:num_requests_running`` /
   ``vllm:num_requests_waiting``, SGLang's ``sglang:num_running_reqs`` /
-  ``sglang:num_queue_reqs``), summed over their labels; a line scan, not a
-  full parse (vLLM's page is tens of KB of histograms, scraped every
+  ``sglang:num_queue_reqs``), summed over their labels, and vLLM's totals of
+  prefill seconds and computed prompt tokens; a line scan, not a full parse
+  (vLLM's page is tens of KB of histograms, scraped every
   ``gateway_load_poll_s``);
+- ``PrefillMeter``: an engine's prefill speed from those totals;
 - ``Ledger``: the requests this gateway has in flight on each engine, each
   with the prefill time the cost model expected for it; what is still
   waiting for its first token is the queue a new request would join
@@ -28,6 +30,8 @@ from tierstore.load import HostLoadView
 
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"  # scheduled -> first token, summed
+COMPUTED_TOKENS = "vllm:prompt_tokens_by_source_total"  # with source="local_compute"
 RATE_WEIGHT = 0.3  # weight of the newest prefill-speed sample
 RATE_MIN_TOKENS = 256  # prefills shorter than this are mostly fixed costs: not a speed sample
 
@@ -37,25 +41,63 @@ class EngineCounts:
     running: float = 0.0
     waiting: float = 0.0
     at: float = 0.0  # time.monotonic() of the scrape
+    prefill_s: float = 0.0  # vLLM: seconds its requests spent in prefill, ever
+    computed_tokens: float = 0.0  # vLLM: prompt tokens it computed (not cached), ever
 
 
 def scrape_counts(text: str) -> EngineCounts:
-    """Running and waiting requests on an engine's /metrics page."""
-    running = waiting = 0.0
+    """Running and waiting requests on an engine's /metrics page, and vLLM's
+    totals of prefill seconds and computed prompt tokens."""
+    running = waiting = prefill_s = computed = 0.0
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in RUNNING or name in WAITING:
-            try:
-                value = float(line.rsplit(" ", 1)[1])
-            except (IndexError, ValueError):
-                continue
-            if name in RUNNING:
-                running += value
-            else:
-                waiting += value
-    return EngineCounts(running, waiting, time.monotonic())
+        if (
+            name not in RUNNING
+            and name not in WAITING
+            and name != PREFILL_SECONDS
+            and not (name == COMPUTED_TOKENS and 'source="local_compute"' in line)
+        ):
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if name in RUNNING:
+            running += value
+        elif name in WAITING:
+            waiting += value
+        elif name == PREFILL_SECONDS:
+            prefill_s += value
+        else:
+            computed += value
+    return EngineCounts(running, waiting, time.monotonic(), prefill_s, computed)
+
+
+class PrefillMeter:
+    """An engine's prefill speed as it reports it: computed prompt tokens per
+    second of prefill between two scrapes (vLLM's own counters, so under the
+    load it has, decodes interleaved), weighted toward the newest window of
+    at least ``RATE_MIN_TOKENS`` tokens. 0 until it has one."""
+
+    def __init__(self) -> None:
+        self.tokens_per_s = 0.0
+        self._base: EngineCounts | None = None
+
+    def update(self, counts: EngineCounts) -> None:
+        base = self._base
+        if base is None or counts.computed_tokens < base.computed_tokens:  # a restart
+            self._base = counts
+            return
+        tokens = counts.computed_tokens - base.computed_tokens
+        seconds = counts.prefill_s - base.prefill_s
+        if tokens < RATE_MIN_TOKENS or seconds <= 0:
+            return
+        sample = tokens / seconds
+        old = self.tokens_per_s
+        self.tokens_per_s = sample if not old else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * sample
+        self._base = counts
 
 
 @dataclass(slots=True)

@@ -9,7 +9,8 @@ or chat prompt exactly as the engine does. Provides:
   (``transformers``, local files only), doing what vLLM's OpenAI server
   does: a chat is rendered to text by the template
   (``add_generation_prompt`` on unless the request says otherwise), then
-  encoded with ``add_special_tokens`` off (on for completions);
+  encoded with ``add_special_tokens`` off (on for completions), the part
+  an earlier turn already had taken from ``prefix_tokens.PrefixTokens``;
 - ``EngineTokenizer``: the same through the engine's ``/tokenize`` endpoint
   (vLLM's), for deployments that give the gateway no tokenizer files.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
+from tierstore.gateway.prefix_tokens import PrefixTokens
 from tierstore.gateway.requests import ApiError, Request
 
 
@@ -45,6 +47,12 @@ class HfTokenizer:
                 f"gateway_tokenizer: cannot load a tokenizer from {path!r}: {e}"
             ) from e
         self.path = path
+        # Chat prompts grow turn by turn: their prefix's ids come from a cache.
+        self.prefixes = (
+            PrefixTokens(self.tok.backend_tokenizer, self.tok.added_tokens_decoder)
+            if getattr(self.tok, "is_fast", False)
+            else None
+        )
 
     def can_encode(self, request: Request) -> bool:
         """Whether this tokenizer gives the engine's ids for this request: chat
@@ -69,6 +77,8 @@ class HfTokenizer:
             text = self.tok.apply_chat_template(request.messages, tokenize=False, **kwargs)
         except Exception as e:  # jinja2's errors: the template refused these messages
             raise ApiError(400, f"the chat template failed on these messages: {e}") from e
+        if self.prefixes is not None and not request.add_special_tokens:
+            return self.prefixes.encode(text)
         return list(self.tok(text, add_special_tokens=request.add_special_tokens)["input_ids"])
 
 

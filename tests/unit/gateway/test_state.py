@@ -14,7 +14,13 @@ from tierstore.gateway.backends import (
     backend_of,
     parse_backend,
 )
-from tierstore.gateway.load import EngineCounts, Ledger, host_load, scrape_counts
+from tierstore.gateway.load import (
+    EngineCounts,
+    Ledger,
+    PrefillMeter,
+    host_load,
+    scrape_counts,
+)
 from tierstore.gateway.sessions import Sessions
 from tierstore.keys import chain_keys
 from tierstore.membership.members import Member
@@ -60,12 +66,16 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
 vllm:num_requests_waiting{engine="1",model_name="m"} 1.0
 vllm:num_requests_waiting_by_reason{reason="capacity"} 9.0
 vllm:e2e_request_latency_seconds_bucket{le="0.3"} 7.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 2.5
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 5000.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 900.0
 """
 
 
 def test_scrape_counts_sums_the_engines_and_ignores_look_alikes() -> None:
     c = scrape_counts(VLLM_METRICS)
     assert (c.running, c.waiting) == (3.0, 3.0)
+    assert (c.prefill_s, c.computed_tokens) == (2.5, 5000.0)  # cache hits are not computed
     c = scrape_counts("sglang:num_running_reqs 4\nsglang:num_queue_reqs 1\n")
     assert (c.running, c.waiting) == (4.0, 1.0)
     c = scrape_counts("garbage\nvllm:num_requests_running{x} not-a-number\n")
@@ -141,3 +151,16 @@ def test_member_records_name_their_engines() -> None:
     assert backend_of(Member("x:1", "g", engine_url="http://x:2", engine_events="tcp://x:3")) == (
         Backend("http://x:2", "x:1", "tcp://x:3")
     )
+
+
+def test_the_prefill_meter_reads_the_engines_own_speed_between_scrapes() -> None:
+    m = PrefillMeter()
+    m.update(EngineCounts(prefill_s=10.0, computed_tokens=1000))
+    assert m.tokens_per_s == 0.0  # one scrape: no window yet
+    m.update(EngineCounts(prefill_s=10.05, computed_tokens=1100))
+    assert m.tokens_per_s == 0.0  # 100 tokens: fixed costs, not a speed
+    m.update(EngineCounts(prefill_s=12.0, computed_tokens=5000))
+    assert m.tokens_per_s == pytest.approx(4000 / 2.0)
+    m.update(EngineCounts(prefill_s=1.0, computed_tokens=600))  # the engine restarted
+    m.update(EngineCounts(prefill_s=2.0, computed_tokens=1600))
+    assert m.tokens_per_s == pytest.approx(0.7 * 2000 + 0.3 * 1000)

@@ -121,6 +121,10 @@ def chat_tokenizer(path: str | os.PathLike[str], vocab: int = 1024) -> Path:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    # The chat markers are special added tokens, as a real model's are: the
+    # tokenizer splits its input at them first (the gateway's cache of
+    # tokenized prompt prefixes cuts there).
+    fast.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL_TOKENS[3:])})
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
     return path
