@@ -7,6 +7,7 @@ skip is a `cuda` test must pass.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+REPO = CONFTEST.parents[1]  # the copied conftest imports harness from the checkout
 
 TESTS = """
 import pytest
@@ -38,6 +40,10 @@ def _run(tmp_path: Path, extra: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=120,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        },
     )
 
 
