@@ -62,6 +62,22 @@ def test_membership_loads_nothing_of_the_peer_tier_store_or_sidecar() -> None:
     assert not {m for m in mods if m.startswith(("tierstore.peer", "tierstore.router"))}
 
 
+def test_the_gateway_loads_no_engine_torch_store_or_sidecar() -> None:
+    """The gateway runs where no engine is installed (``tierstore[gateway]``)."""
+    code = (
+        "import sys, tierstore.gateway.serve\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'vllm', 'sglang', 'transformers', 'lmdb')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    mods = loaded_by("import tierstore.gateway.serve")
+    assert not {m for m in mods if m.startswith(("tierstore.store", "tierstore.sidecar"))}
+    peer = {m for m in mods if m.startswith("tierstore.peer.")}
+    assert peer <= {"tierstore.peer.client", "tierstore.peer.clients", "tierstore.peer.auth"}
+
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
