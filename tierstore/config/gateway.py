@@ -42,6 +42,7 @@ class GatewayConfig:
     gateway_down_s: float = 5.0  # an engine that failed a request is skipped this long
     gateway_max_body_bytes: int = 32 << 20  # a larger request body is refused (413)
     gateway_prefix_max_waiting: float = 4.0  # prefix_aware: a host with more waiting is full
+    gateway_move_margin_s: float = 0.2  # tierstore: a turn moves only to save more TTFT than this
     gateway_foreign_request_s: float = 1.0  # wait counted per request the gateway did not send
     gateway_sessions: int = 65536  # conversations remembered (LRU)
 
@@ -62,6 +63,11 @@ class GatewayConfig:
             "gateway_max_body_bytes",
         )
         at_least(
-            self, 0, "gateway_down_s", "gateway_prefix_max_waiting", "gateway_foreign_request_s"
+            self,
+            0,
+            "gateway_down_s",
+            "gateway_prefix_max_waiting",
+            "gateway_foreign_request_s",
+            "gateway_move_margin_s",
         )
         at_least(self, 1, "gateway_sessions")

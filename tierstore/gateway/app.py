@@ -48,7 +48,6 @@ from tierstore.keys import BlockKey, KVLayout
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "x-session-id"
-DEFAULT_PREFILL_TOKENS_PER_S = 8000.0  # before the ledger learned an engine's speed
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,11 +172,13 @@ class Gateway:
             if backend is None:
                 continue
             cost = d.costs.get(name)
+            predicted_s = 0.0
             if cost is not None:
                 prefill_s, prefill_tokens = cost.prefill_s + cost.load_s, cost.prefill_tokens
+                predicted_s = cost.ttft_s
             else:
                 prefill_tokens = len(tokens) if tokens else 0
-                prefill_s = prefill_tokens / (rates.get(name) or DEFAULT_PREFILL_TOKENS_PER_S)
+                prefill_s = prefill_tokens / (rates.get(name) or self.fleet.prefill_tokens_per_s)
             reason = d.reason if not out else "failover"
             out.append(
                 Attempt(
@@ -185,6 +186,7 @@ class Gateway:
                     backend.url,
                     prefill_s,
                     prefill_tokens,
+                    predicted_s,
                     (("x-tierstore-host", name), ("x-tierstore-placement", reason)),
                 )
             )
@@ -240,7 +242,9 @@ class _Tracker:
         if retry and self.gw.uses_store and self.layout is not None:
             self.gw.fleet.preposition(attempt.name, self.layout, self.keys)
         m.in_flight.labels(attempt.name).inc()
-        return self.gw.fleet.ledger.sent(attempt.name, attempt.prefill_s, attempt.prefill_tokens)
+        return self.gw.fleet.ledger.sent(
+            attempt.name, attempt.prefill_s, attempt.prefill_tokens, attempt.predicted_s
+        )
 
     def first_byte(self, attempt: Attempt, ticket: int) -> None:
         self.gw.fleet.ledger.first_byte(ticket)

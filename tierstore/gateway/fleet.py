@@ -88,6 +88,7 @@ class Fleet:
         *,
         router: Router | None = None,
         layout: KVLayout | None = None,
+        prefill_tokens_per_s: float = 8000.0,
     ) -> None:
         self.cfg = cfg
         self.peer = peer
@@ -96,6 +97,7 @@ class Fleet:
         self.metrics = metrics
         self.router = router
         self.ledger = Ledger()
+        self.prefill_tokens_per_s = prefill_tokens_per_s  # until an engine's is known
         self._configured_layout = layout
         self._engines: dict[str, Engine] = {}
         self._version: int | None = None
@@ -169,12 +171,19 @@ class Fleet:
                     waiting=max(float(waiting), engine_waiting),
                     in_flight=max(float(waiting + streaming), engine_waiting + engine_running),
                     hbm=self.index.prefix(name, keys) if self.index is not None and keys else b"",
-                    # The engine's own figure, else what the gateway saw of its TTFTs.
-                    prefill_tokens_per_s=e.prefill.tokens_per_s
-                    or self.ledger.prefill_tokens_per_s(name),
+                    prefill_tokens_per_s=self.effective_prefill(e),
                 )
             )
         return out
+
+    def effective_prefill(self, e: Engine) -> float:
+        """The prefill speed the cost model uses for ``e``: the engine's own
+        figure (else what the gateway saw of its TTFTs, else the configured
+        one), slowed by how much later its first tokens came than estimated."""
+        name = e.backend.name
+        rate = (e.prefill.tokens_per_s or self.ledger.prefill_tokens_per_s(name)
+                or self.prefill_tokens_per_s)  # fmt: skip
+        return rate / self.ledger.ttft_factor(name)
 
     def failed(self, name: str, why: str) -> None:
         """A request to ``name`` failed before its first byte: skip it for a while."""

@@ -55,6 +55,7 @@ class Attempt:
     url: str
     prefill_s: float  # the placement's estimate (the ledger's queue)
     prefill_tokens: int
+    predicted_s: float  # the placement's whole TTFT estimate (0: none)
     reply_headers: tuple[tuple[str, str], ...] = ()  # added to the client's answer
 
 

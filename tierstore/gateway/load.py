@@ -13,7 +13,9 @@ Provides:
   with the prefill time the cost model expected for it; what is still
   waiting for its first token is the queue a new request would join
   (``pending_prefill_s``). It also learns each engine's prefill speed from
-  requests that found it idle (``prefill_tokens_per_s``);
+  requests that found it idle (``prefill_tokens_per_s``), and how far its
+  first tokens come later than the cost model said (``ttft_factor``: the
+  decodes and batching of a busy engine, which the model does not see);
 - ``host_load(...)``: the two views as the cost model's ``HostLoadView``.
 
 Pure apart from the ledger's lock. The ledger is updated from the event
@@ -34,6 +36,8 @@ PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"  # scheduled -> first 
 COMPUTED_TOKENS = "vllm:prompt_tokens_by_source_total"  # with source="local_compute"
 RATE_WEIGHT = 0.3  # weight of the newest prefill-speed sample
 RATE_MIN_TOKENS = 256  # prefills shorter than this are mostly fixed costs: not a speed sample
+FACTOR_MIN_PREDICTED_S = 0.05  # shorter estimates are mostly fixed costs: not a factor sample
+FACTOR_MIN, FACTOR_MAX = 0.25, 8.0  # one outlier moves the factor at most this far
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +99,7 @@ class PrefillMeter:
         if tokens < RATE_MIN_TOKENS or seconds <= 0:
             return
         sample = tokens / seconds
-        old = self.tokens_per_s
-        self.tokens_per_s = sample if not old else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * sample
+        self.tokens_per_s = _ewma(self.tokens_per_s, sample)
         self._base = counts
 
 
@@ -107,6 +110,8 @@ class _Flight:
     prefill_tokens: int
     sent_at: float
     alone: bool  # nothing else in flight on the host when it was sent
+    predicted_s: float = 0.0  # the cost model's whole TTFT estimate (0: none)
+    factor: float = 1.0  # the host's TTFT factor the estimate was made with
     first_at: float = 0.0  # first byte of the answer (0: not yet)
 
 
@@ -114,6 +119,7 @@ class _Flight:
 class _Host:
     flights: dict[int, _Flight] = field(default_factory=dict)
     prefill_tokens_per_s: float = 0.0  # learned; 0: not yet
+    ttft_factor: float = 0.0  # observed TTFT over the estimate; 0: no sample yet
 
 
 class Ledger:
@@ -125,15 +131,19 @@ class Ledger:
         self._where: dict[int, str] = {}  # ticket -> host
         self._next = 0
 
-    def sent(self, host: str, prefill_s: float, prefill_tokens: int) -> int:
-        """A request was sent to ``host``; returns its ticket."""
+    def sent(
+        self, host: str, prefill_s: float, prefill_tokens: int, predicted_s: float = 0.0
+    ) -> int:
+        """A request was sent to ``host`` (``predicted_s``: the TTFT the cost
+        model expected, made with ``ttft_factor(host)``); returns its ticket."""
         with self._lock:
             h = self._hosts.setdefault(host, _Host())
             self._next += 1
             self._where[self._next] = host
             h.flights[self._next] = _Flight(
-                host, prefill_s, prefill_tokens, time.monotonic(), alone=not h.flights
-            )
+                host, prefill_s, prefill_tokens, time.monotonic(), alone=not h.flights,
+                predicted_s=predicted_s, factor=h.ttft_factor or 1.0,
+            )  # fmt: skip
             return self._next
 
     def first_byte(self, ticket: int) -> float:
@@ -145,13 +155,12 @@ class Ledger:
                 return 0.0
             f.first_at = now
             ttft = now - f.sent_at
+            h = self._hosts[f.host]
             if f.alone and f.prefill_tokens >= RATE_MIN_TOKENS and ttft > 0:
-                h = self._hosts[f.host]
-                sample = f.prefill_tokens / ttft
-                old = h.prefill_tokens_per_s
-                h.prefill_tokens_per_s = (
-                    sample if not old else ((1 - RATE_WEIGHT) * old + RATE_WEIGHT * sample)
-                )
+                h.prefill_tokens_per_s = _ewma(h.prefill_tokens_per_s, f.prefill_tokens / ttft)
+            if f.predicted_s >= FACTOR_MIN_PREDICTED_S:
+                sample = min(max(f.factor * ttft / f.predicted_s, FACTOR_MIN), FACTOR_MAX)
+                h.ttft_factor = _ewma(h.ttft_factor, sample)
             return ttft
 
     def done(self, ticket: int) -> None:
@@ -198,11 +207,17 @@ class Ledger:
             known = [x.prefill_tokens_per_s for x in self._hosts.values() if x.prefill_tokens_per_s]
             return sum(known) / len(known) if known else 0.0
 
-    def mean_prefill_s(self) -> float:
-        """The mean expected prefill of the requests in flight (0: none)."""
+    def ttft_factor(self, host: str) -> float:
+        """How much longer ``host``'s first tokens took than the cost model
+        said (its decodes, its batching, what the model does not see): the
+        weighted mean of observed over estimated TTFT; a host with no sample
+        yet, the others' mean; 1.0 with none anywhere."""
         with self._lock:
-            all_ = [f.prefill_s for h in self._hosts.values() for f in h.flights.values()]
-        return sum(all_) / len(all_) if all_ else 0.0
+            h = self._hosts.get(host)
+            if h is not None and h.ttft_factor:
+                return h.ttft_factor
+            known = [x.ttft_factor for x in self._hosts.values() if x.ttft_factor]
+            return sum(known) / len(known) if known else 1.0
 
 
 def host_load(
@@ -221,3 +236,8 @@ def host_load(
     if wait_s <= 0:
         return HostLoadView(reported=True, busy_slots=0, slots=1)
     return HostLoadView(reported=True, busy_slots=1, slots=1, queue_len=0, wait_s=wait_s)
+
+
+def _ewma(old: float, sample: float) -> float:
+    """The running estimate with ``sample`` in (``old`` 0: the first sample)."""
+    return sample if not old else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * sample

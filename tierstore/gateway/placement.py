@@ -14,7 +14,8 @@ class per policy (``gateway_policy``):
   queue passes ``max_waiting``, then the least loaded; no KV moves;
 - ``CostModel``: tierstore's: the router's estimated time to first token on
   each candidate (wait + load or pull of the prefix + prefill of the rest),
-  counting what a host can pull from the others; the chosen host is asked
+  counting what a host can pull from the others; a turn leaves the host of
+  its last turn only to save more than ``move_margin_s``; the chosen host is asked
   to pull the prefix ahead of the request (``preposition``) when it would
   load any of it from NVMe, a peer or the bucket.
 
@@ -138,10 +139,14 @@ class CostModel:
 
     uses_keys = True
 
-    def __init__(self, route: Route, *, preposition: bool, fallback: LeastLoaded | None = None):
+    def __init__(
+        self, route: Route, *, preposition: bool, move_margin_s: float = 0.0,
+        fallback: LeastLoaded | None = None,
+    ) -> None:  # fmt: skip
         self.name = "tierstore" if preposition else "tierstore_no_preposition"
         self._route = route
         self.preposition = preposition
+        self.move_margin_s = move_margin_s
         self._fallback = fallback or LeastLoaded()
 
     def place(self, turn: Turn) -> Decision:
@@ -167,6 +172,11 @@ class CostModel:
         if not reachable:  # no sidecar answered: the engines may still serve
             return Decision(self._fallback.order(turn.candidates), "no_sidecar")
         down = [c.host for c in plan.ranked if not c.reachable]
+        # A move must save more than the margin: the estimates are noisy, and a
+        # turn that moves for nothing pulls its prefix and may move straight back.
+        current = next((c for c in reachable if c.host == turn.last_host), None)
+        if current is not None and current.ttft_s <= reachable[0].ttft_s + self.move_margin_s:
+            reachable = [current, *[c for c in reachable if c is not current]]
         best = reachable[0]
         order = tuple(c.host for c in reachable) + tuple(down)
         if not turn.last_host:
@@ -186,7 +196,9 @@ class CostModel:
         )
 
 
-def make_policy(name: str, route: Route | None, max_waiting: float) -> Policy:
+def make_policy(
+    name: str, route: Route | None, max_waiting: float, move_margin_s: float = 0.0
+) -> Policy:
     """The policy ``gateway_policy`` names; the cost model needs ``route``."""
     if name == "round_robin":
         return RoundRobin()
@@ -197,7 +209,7 @@ def make_policy(name: str, route: Route | None, max_waiting: float) -> Policy:
     if name in ("tierstore", "tierstore_no_preposition"):
         if route is None:
             raise ValueError(f"gateway_policy {name} needs sidecars (backends with peer=...)")
-        return CostModel(route, preposition=name == "tierstore")
+        return CostModel(route, preposition=name == "tierstore", move_margin_s=move_margin_s)
     raise ValueError(
         f"gateway_policy must be round_robin, least_loaded, prefix_aware, tierstore or "
         f"tierstore_no_preposition, got {name!r}"

@@ -61,10 +61,13 @@ def build(config: Config, http: aiohttp.ClientSession) -> Gateway:
     else:
         backends = StaticBackends(static)
     layout = read_layout(g.gateway_layout) if g.gateway_layout else None
-    fleet = Fleet(g, config.peer, backends, http, metrics, router=router, layout=layout)
+    fleet = Fleet(g, config.peer, backends, http, metrics, router=router, layout=layout,
+                  prefill_tokens_per_s=config.router.prefill_tokens_per_s)  # fmt: skip
     policy = make_policy(
-        g.gateway_policy, router.route if router else None, g.gateway_prefix_max_waiting
-    )
+        g.gateway_policy, router.route if router else None, g.gateway_prefix_max_waiting,
+        g.gateway_move_margin_s,
+    )  # fmt: skip
+
     tokenizer = HfTokenizer(g.gateway_tokenizer) if g.gateway_tokenizer else None
     upstream = Upstream(http, g.gateway_connect_timeout_s, g.gateway_first_byte_timeout_s)
     return Gateway(fleet, policy, Sessions(g.gateway_sessions), upstream, metrics, tokenizer)

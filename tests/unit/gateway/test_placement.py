@@ -127,3 +127,22 @@ def test_policy_names() -> None:
         make_policy("tierstore", None, 1)
     with pytest.raises(ValueError, match="gateway_policy must be"):
         make_policy("random", None, 1)
+
+
+def test_a_turn_moves_only_to_save_more_than_the_margin() -> None:
+    route = fake_route({"a": bytes([DRAM]) * 10}, RATES)
+    # a's queue costs 0.3 s more than b's pull of the prefix and prefill: a move saves ~0.3 s.
+    busy = cand("a", pending_s=0.3 + 0.01 + 10 * L.block_bytes / 1e6)
+    moved = CostModel(route, preposition=True).place(turn(busy, cand("b"), last="a"))
+    assert moved.order[0] == "b" and moved.reason == "cost_move"
+    kept = CostModel(route, preposition=True, move_margin_s=0.5).place(
+        turn(busy, cand("b"), last="a")
+    )
+    assert kept.order == ("a", "b") and kept.reason == "cost_stay" and not kept.preposition
+    far = cand("a", pending_s=5.0)
+    assert (
+        CostModel(route, preposition=True, move_margin_s=0.5)
+        .place(turn(far, cand("b"), last="a"))
+        .order[0]
+        == "b"
+    )

@@ -164,3 +164,22 @@ def test_the_prefill_meter_reads_the_engines_own_speed_between_scrapes() -> None
     m.update(EngineCounts(prefill_s=1.0, computed_tokens=600))  # the engine restarted
     m.update(EngineCounts(prefill_s=2.0, computed_tokens=1600))
     assert m.tokens_per_s == pytest.approx(0.7 * 2000 + 0.3 * 1000)
+
+
+def test_the_ttft_factor_learns_how_late_a_host_answers_against_the_estimate() -> None:
+    led = Ledger()
+    assert led.ttft_factor("h") == 1.0
+    for _ in range(20):  # 0.5 s before the correction, answered in 1.5 s
+        t = led.sent("h", 0.4, 1000, predicted_s=0.5 * led.ttft_factor("h"))
+        led._hosts["h"].flights[t].sent_at -= 1.5
+        led.first_byte(t)
+        led.done(t)
+    # Each estimate is made with the factor learned so far: it converges on
+    # the correction the estimate needs, not on the raw ratio of the last one.
+    assert led.ttft_factor("h") == pytest.approx(3.0, rel=0.05)
+    assert led.ttft_factor("other") == led.ttft_factor("h")  # unmeasured: the others'
+    t = led.sent("h", 0.0, 10, predicted_s=0.01)  # too short to say anything
+    led._hosts["h"].flights[t].sent_at -= 5.0
+    before = led.ttft_factor("h")
+    led.first_byte(t)
+    assert led.ttft_factor("h") == before
