@@ -5,27 +5,28 @@ any bench that drives engines through HTTP.
 Provides:
 - ``Workload`` (frozen config) and ``conversations(workload)``: U users'
   deterministic scripts from one seed: a system prompt all users share, each
-  user's own history, one new message per turn and the think time before it.
-- ``run_load(urls, workload, ...)``: the users as concurrent asyncio tasks
-  against OpenAI-compatible ``/v1/completions`` servers with streaming (a
-  ``place`` callable picks each turn's server; without it, the first), each turn's
-  prompt being the conversation so far (the previous turns' outputs
-  appended); every request bounded by a timeout. Returns one ``Sample`` per
-  request, failures included (a user's conversation stops at its first
-  failure: the next prompt would need the failed output; the turns it did not
-  send are counted as skipped).
+  user's own history, one new message per turn, the assistant's scripted
+  reply to each turn but the last, and the gap before each later turn;
+- ``chat_schedule(workload)``: those scripts as an open-loop schedule of
+  token-id ``/v1/completions`` requests (greedy, ``ignore_eos``, streamed
+  with ``return_token_ids``): turn k's prompt is turn k-1's, its scripted
+  reply and the new message, sent at the user's start plus its gaps. The
+  replies are the script's, not the engine's, so every run of one seed sends
+  byte-identical prompts at identical times, whatever its server answered
+  and however fast;
 - ``Scheduled`` and ``run_schedule(base_url, schedule)``: an open-loop load,
   every request sent at the time its schedule fixes (so a slow run's late
   turns do not delay the arrivals of the others), text, chat or token-id
-  prompts, with the gateway's placement headers recorded;
+  prompts, with the streamed token ids and the gateway's placement headers
+  recorded;
 - ``parse_sse_line``, ``parse_metrics`` (Prometheus text), ``percentile``,
   ``summarize`` and ``output_mismatches``: pure helpers, unit-tested
   (tests/unit/test_serve_load.py).
 
-Prompts are token ids (the server runs with ``--skip-tokenizer-init``: the
-bench's random Llama has no tokenizer, and nothing may be downloaded), and
-each streamed chunk carries its token ids (``return_token_ids``). Runs in the
-benchmark's process, on one asyncio loop.
+Token-id prompts: the serving bench's server runs with
+``--skip-tokenizer-init`` (its random Llama has no tokenizer, and nothing may
+be downloaded), and each streamed chunk carries its token ids
+(``return_token_ids``). Runs in the benchmark's process, on one asyncio loop.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -44,18 +45,26 @@ import aiohttp
 
 @dataclass(frozen=True)
 class Workload:
-    users: int = 4
-    turns: int = 2
+    users: int = 8
+    turns: int = 5  # per user; returning turns: users * (turns - 1)
     system_tokens: int = 256  # shared by every user
     history_min_tokens: int = 1024  # each user's own history before turn 0
     history_max_tokens: int = 4096
     message_tokens: int = 64  # the new user message of each turn
-    output_tokens: int = 32  # greedy, ignore_eos: exactly this many a turn
-    think_s: float = 2.0  # mean pause between a reply and the next message
-    stagger_s: float = 1.0  # user u starts at u * stagger_s
+    output_tokens: int = 32  # greedy, ignore_eos: exactly this many a turn (and a scripted reply)
+    think_s: float = 30.0  # mean gap between the sends of a user's turns (open loop)
+    stagger_s: float = 3.0  # user u starts at u * stagger_s
     seed: int = 2026
     vocab: int = 1024
     first_token_id: int = 3  # ids below are the random Llama's special tokens
+
+    def __post_init__(self) -> None:
+        if self.users < 1 or self.turns < 1 or self.think_s <= 0 or self.stagger_s < 0:
+            raise ValueError(f"bad workload: {self}")
+
+    @property
+    def returning_turns(self) -> int:
+        return self.users * (self.turns - 1)
 
     def final_context_tokens(self, history_tokens: int) -> int:
         """A user's context after its last turn (prompt and output)."""
@@ -68,10 +77,19 @@ class Script:
     """One user's conversation, fixed before the run."""
 
     user: int
-    start_s: float  # offset from the load's start
+    start_s: float  # offset from the load's start: its first turn's send time
     history: tuple[int, ...]
     messages: tuple[tuple[int, ...], ...]  # one per turn
-    think_s: tuple[float, ...]  # pause before each turn after the first
+    replies: tuple[tuple[int, ...], ...]  # the assistant's, to each turn but the last
+    think_s: tuple[float, ...]  # gap from each turn's send to the next one's
+
+    def send_times_s(self) -> list[float]:
+        """Each turn's send time from the load's start (3 decimals)."""
+        times, at = [], self.start_s
+        for turn in range(len(self.messages)):
+            at += self.think_s[turn - 1] if turn else 0.0
+            times.append(round(at, 3))
+        return times
 
 
 @dataclass
@@ -80,25 +98,18 @@ class Sample:
 
     user: int
     turn: int
-    returning: bool  # turn > 0: the conversation's prefix was served before
+    returning: bool  # turn > 0: its conversation's earlier prompt was sent before
     prompt_tokens: int
     sent_s: float  # since the load's start
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)  # gap before each later token
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # streamed ids (chunks with token_ids)
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     end_s: float | None = None
     error: str | None = None
-    host: int = 0  # index of the server that served it
-    place_s: float = 0.0  # time the placement took (a router's decision)
     output_tokens: int = 0  # streamed tokens (usage's completion_tokens when given)
     served_by: str = ""  # a gateway's x-tierstore-host: the engine that answered
     placement: str = ""  # a gateway's x-tierstore-placement: why that engine
-
-
-Place = Callable[[int, int, list[int], list[int]], int]
-"""(user, turn, prompt ids, requests in flight per server) -> server index;
-called on a worker thread (it may block on a router's RPC)."""
 
 
 def conversations(w: Workload) -> tuple[tuple[int, ...], list[Script]]:
@@ -113,8 +124,9 @@ def conversations(w: Workload) -> tuple[tuple[int, ...], list[Script]]:
     for u in range(w.users):
         history = ids(rng.randint(w.history_min_tokens, w.history_max_tokens))
         messages = tuple(ids(w.message_tokens) for _ in range(w.turns))
+        replies = tuple(ids(w.output_tokens) for _ in range(w.turns - 1))
         think = tuple(w.think_s * rng.uniform(0.5, 1.5) for _ in range(w.turns - 1))
-        scripts.append(Script(u, u * w.stagger_s, history, messages, think))
+        scripts.append(Script(u, u * w.stagger_s, history, messages, replies, think))
     return system, scripts
 
 
@@ -130,151 +142,13 @@ def parse_sse_line(line: str) -> dict[str, Any] | None:
     return parsed
 
 
-async def stream_completion(
-    http: aiohttp.ClientSession,
-    url: str,
-    body: dict[str, Any],
-    sample: Sample,
-    t0: float,
-    timeout_s: float,
-) -> None:
-    """POST one streamed completion, filling ``sample``'s timings and ids."""
-    sent = time.perf_counter()
-    last: float | None = None
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    try:
-        async with http.post(url, json=body, timeout=timeout) as resp:
-            if resp.status != 200:
-                text = (await resp.text())[:300]
-                sample.error = f"HTTP {resp.status}: {text}"
-                return
-            async for raw in resp.content:
-                obj = parse_sse_line(raw.decode().strip())
-                if obj is None:
-                    continue
-                usage = obj.get("usage")
-                if usage:
-                    details = usage.get("prompt_tokens_details") or {}
-                    sample.cached_tokens = details.get("cached_tokens")
-                for choice in obj.get("choices", []):
-                    got = choice.get("token_ids") or []
-                    if not got:
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        sample.ttft_s = now - sent
-                    else:  # one gap per chunk; several tokens in a chunk share it
-                        sample.itl_s.extend([(now - last) / len(got)] * len(got))
-                    last = now
-                    sample.output_ids.extend(got)
-    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
-        sample.error = f"{type(e).__name__}: {e}"[:300]
-    finally:
-        sample.end_s = time.perf_counter() - t0
-    want = body["max_tokens"]
-    if sample.error is None and len(sample.output_ids) != want:
-        sample.error = f"{len(sample.output_ids)} output tokens, not {want}"
-
-
-@dataclass
-class _Load:
-    """What the users of one run share (on the event loop's thread)."""
-
-    urls: list[str]
-    w: Workload
-    system: tuple[int, ...]
-    t0: float
-    timeout_s: float
-    extra_body: dict[str, Any]
-    place: Place | None
-    inflight: list[int]
-    samples: list[Sample] = field(default_factory=list)
-
-
-async def _user(http: aiohttp.ClientSession, load: _Load, script: Script) -> int:
-    """Run one conversation; returns the number of turns it skipped."""
-    w = load.w
-    await asyncio.sleep(max(0.0, load.t0 + script.start_s - time.perf_counter()))
-    context = list(load.system) + list(script.history)
-    for turn, message in enumerate(script.messages):
-        if turn:
-            await asyncio.sleep(script.think_s[turn - 1])
-        context += message
-        sample = Sample(script.user, turn, turn > 0, len(context), time.perf_counter() - load.t0)
-        load.samples.append(sample)
-        if load.place is not None:
-            t = time.perf_counter()
-            try:
-                sample.host = await asyncio.to_thread(
-                    load.place, script.user, turn, list(context), list(load.inflight)
-                )
-            except (ValueError, RuntimeError) as e:  # e.g. the router found no host
-                sample.error = f"placement: {type(e).__name__}: {e}"[:300]
-                return w.turns - turn - 1
-            finally:
-                sample.place_s = time.perf_counter() - t
-        body = {
-            "model": "m",
-            "prompt": list(context),
-            "max_tokens": w.output_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "return_token_ids": True,
-            "stream_options": {"include_usage": True},
-            **load.extra_body,
-        }
-        if "kv_transfer_params" in body:  # per user: a session key the connector may use
-            body["kv_transfer_params"] = {
-                **body["kv_transfer_params"],
-                "session": f"u{script.user}",
-            }
-        url = f"{load.urls[sample.host]}/v1/completions"
-        load.inflight[sample.host] += 1
-        try:
-            await stream_completion(http, url, body, sample, load.t0, load.timeout_s)
-        finally:
-            load.inflight[sample.host] -= 1
-        if sample.error is not None:
-            return w.turns - turn - 1
-        context += sample.output_ids
-    return 0
-
-
-async def _run(
-    urls: list[str], w: Workload, timeout_s: float, extra_body: dict[str, Any], place: Place | None
-) -> tuple[list[Sample], float, int]:
-    system, scripts = conversations(w)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as http:
-        load = _Load(urls, w, system, time.perf_counter(), timeout_s, extra_body, place,
-                     [0] * len(urls))  # fmt: skip
-        skipped = await asyncio.gather(*(_user(http, load, s) for s in scripts))
-        wall_s = time.perf_counter() - load.t0
-    samples = sorted(load.samples, key=lambda s: (s.user, s.turn))
-    return samples, wall_s, sum(skipped)
-
-
-def run_load(
-    urls: list[str],
-    w: Workload,
-    *,
-    timeout_s: float,
-    extra_body: dict[str, Any] | None = None,
-    place: Place | None = None,
-) -> tuple[list[Sample], float, int]:
-    """Every user's conversation against ``urls``: the samples (sorted by
-    user, turn), the load's wall seconds and the turns skipped after failures."""
-    return asyncio.run(_run(urls, w, timeout_s, extra_body or {}, place))
-
-
 # -- open loop: every request sent at a time the schedule fixes -------------------------
 
 
 @dataclass(frozen=True)
 class Scheduled:
     """One request of a fixed schedule: sent ``at_s`` after the run's start,
-    whenever the earlier requests of its conversation finish."""
+    whether or not the earlier requests of its conversation have finished."""
 
     user: int
     turn: int
@@ -284,17 +158,49 @@ class Scheduled:
     prompt_tokens: int  # its prompt's length, as the schedule knows it
 
 
-def _chunk_tokens(obj: dict[str, Any]) -> int:
-    """Tokens one streamed chunk carries: its token ids, else one for a
-    non-empty text or chat delta (vLLM streams a token per engine step)."""
-    n = 0
+def chat_schedule(w: Workload, extra_body: dict[str, Any] | None = None) -> list[Scheduled]:
+    """Every request of ``w``'s conversations, in send order, from ``w.seed``
+    alone (see the module docstring). ``extra_body`` is merged into each body;
+    its ``kv_transfer_params``, when given, gain the user's session key
+    (``u<user>``)."""
+    system, scripts = conversations(w)
+    out = []
+    for s in scripts:
+        prompt = [*system, *s.history]
+        for turn, at_s in enumerate(s.send_times_s()):
+            if turn:
+                prompt += s.replies[turn - 1]
+            prompt += s.messages[turn]
+            body: dict[str, Any] = {
+                "model": "m",
+                "prompt": list(prompt),
+                "max_tokens": w.output_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stream": True,
+                "return_token_ids": True,
+                "stream_options": {"include_usage": True},
+                **(extra_body or {}),
+            }
+            if "kv_transfer_params" in body:  # per user: a session key the connector may use
+                body["kv_transfer_params"] = {**body["kv_transfer_params"], "session": f"u{s.user}"}
+            out.append(Scheduled(s.user, turn, at_s, "/v1/completions", body, len(prompt)))
+    return sorted(out, key=lambda r: (r.at_s, r.user))
+
+
+def _chunk_tokens(obj: dict[str, Any]) -> tuple[int, list[int]]:
+    """Tokens one streamed chunk carries, and their ids: its ``token_ids``
+    (``return_token_ids``), else one token of unknown id for a non-empty
+    text or chat delta (vLLM streams a token per engine step)."""
+    n, ids = 0, []
     for choice in obj.get("choices") or []:
-        ids = choice.get("token_ids")
-        if ids:
-            n += len(ids)
+        got = choice.get("token_ids")
+        if got:
+            n += len(got)
+            ids.extend(got)
         elif choice.get("text") or (choice.get("delta") or {}).get("content"):
             n += 1
-    return n
+    return n, ids
 
 
 async def stream_scheduled(
@@ -302,7 +208,8 @@ async def stream_scheduled(
 ) -> Sample:
     """Send ``req`` at its time and read its stream: TTFT (to the first
     token, not the role-only first chat chunk), the gap before each later
-    token, the usage's cached prompt tokens, and the gateway's headers."""
+    token, the streamed token ids (``output_ids``, when the chunks carry
+    them), the usage's cached prompt tokens, and the gateway's headers."""
     await asyncio.sleep(max(0.0, t0 + req.at_s - time.perf_counter()))
     sample = Sample(req.user, req.turn, req.turn > 0, req.prompt_tokens, time.perf_counter() - t0)
     sent = time.perf_counter()
@@ -326,7 +233,8 @@ async def stream_scheduled(
                         "cached_tokens"
                     )
                     sample.output_tokens = usage.get("completion_tokens", sample.output_tokens)
-                got = _chunk_tokens(obj)
+                got, ids = _chunk_tokens(obj)
+                sample.output_ids.extend(ids)
                 if not got:
                     continue
                 now = time.perf_counter()
@@ -402,8 +310,10 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def summarize(samples: list[Sample], wall_s: float, skipped_turns: int) -> dict[str, Any]:
-    """Per-mode figures over the successful requests; failures counted."""
+def summarize(samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    """Per-mode figures over the successful requests; failures counted.
+    ``skipped_turns`` is 0: in an open loop every turn is sent (its prompt is
+    scripted), whatever became of its conversation's earlier turns."""
     ok = [s for s in samples if s.error is None]
     first = [s.ttft_s for s in ok if not s.returning and s.ttft_s is not None]
     back = [s.ttft_s for s in ok if s.returning and s.ttft_s is not None]
@@ -411,8 +321,9 @@ def summarize(samples: list[Sample], wall_s: float, skipped_turns: int) -> dict[
     out_tokens = sum(len(s.output_ids) for s in ok)
     return {
         "requests": len(samples),
+        "returning_turns": len(back),
         "failures": len(samples) - len(ok),
-        "skipped_turns": skipped_turns,
+        "skipped_turns": 0,
         "errors": sorted({s.error for s in samples if s.error})[:5],
         "ttft_first_p50_s": _r(percentile(first, 50)),
         "ttft_first_p90_s": _r(percentile(first, 90)),

