@@ -110,6 +110,7 @@ class Sample:
     output_tokens: int = 0  # streamed tokens (usage's completion_tokens when given)
     served_by: str = ""  # a gateway's x-tierstore-host: the engine that answered
     placement: str = ""  # a gateway's x-tierstore-placement: why that engine
+    estimate: str = ""  # a gateway's x-tierstore-estimate: what its cost model expected
 
 
 def conversations(w: Workload) -> tuple[tuple[int, ...], list[Script]]:
@@ -219,6 +220,7 @@ async def stream_scheduled(
                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:  # fmt: skip
             sample.served_by = resp.headers.get("x-tierstore-host", "")
             sample.placement = resp.headers.get("x-tierstore-placement", "")
+            sample.estimate = resp.headers.get("x-tierstore-estimate", "")
             if resp.status != 200:
                 sample.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return sample

@@ -25,7 +25,8 @@ from tierstore.gateway.app import Gateway, make_app
 from tierstore.gateway.serve import build, http_session
 
 WAIT_S = 60.0
-REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=300)
+REQUEST_TIMEOUT_S = 300.0
+REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
 
 
 class LoopThread:
@@ -79,7 +80,7 @@ class GatewayServer:
                 async with s.post(self.url + path, data=data, headers=headers) as r:
                     return r.status, dict(r.headers), await r.read()
 
-        result: tuple[int, dict[str, str], bytes] = self.lt.run(go(), REQUEST_TIMEOUT.total)
+        result: tuple[int, dict[str, str], bytes] = self.lt.run(go(), REQUEST_TIMEOUT_S)
         return result
 
     def get(self, path: str) -> tuple[int, bytes]:

@@ -180,6 +180,7 @@ def test_a_dead_engines_session_resumes_warm_on_the_other_host(setup: Setup) -> 
         assert status == 200 and b"data: [DONE]" in answer, answer[-500:]
         assert headers["x-tierstore-host"] == other.peer
         assert headers["x-tierstore-placement"] == "failover"
+        assert headers["x-tierstore-estimate"].startswith("ttft=")  # the cost model's view
         events = [json.loads(line[6:]) for line in answer.decode().splitlines()
                   if line.startswith("data: {")]  # fmt: skip
         usage = [e["usage"] for e in events if e.get("usage")][-1]

@@ -18,7 +18,7 @@ from harness.gateway import GatewayServer, LoopThread
 from tierstore.config import Config
 from tierstore.config.gateway import GatewayConfig
 
-from .fake_engine import FakeEngine
+from harness.fake_engine import FakeEngine
 
 TIMEOUT = aiohttp.ClientTimeout(total=30)
 

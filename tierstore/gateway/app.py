@@ -11,7 +11,9 @@ Every answer of the gateway's own is an OpenAI error object: malformed
 JSON, a missing field, an unknown model (404), a prompt over the model's
 context (400), a body over ``gateway_max_body_bytes`` (413), no engine left
 (503). Answers say which engine served (``x-tierstore-host``) and why it
-was chosen (``x-tierstore-placement``).
+was chosen (``x-tierstore-placement``), and for the cost model's choice its
+estimate (``x-tierstore-estimate``: TTFT, queue, load, prefill, the prefix
+blocks expected from each tier).
 
 Runs on one asyncio event loop; placement and the local tokenizer on
 worker threads.
@@ -44,6 +46,7 @@ from tierstore.gateway.requests import (
 from tierstore.gateway.sessions import Sessions
 from tierstore.gateway.tokens import HfTokenizer, prompt_tokens
 from tierstore.keys import BlockKey, KVLayout
+from tierstore.router.cost import HostCost
 
 log = logging.getLogger(__name__)
 
@@ -180,16 +183,11 @@ class Gateway:
                 prefill_tokens = len(tokens) if tokens else 0
                 prefill_s = prefill_tokens / (rates.get(name) or self.fleet.prefill_tokens_per_s)
             reason = d.reason if not out else "failover"
-            out.append(
-                Attempt(
-                    name,
-                    backend.url,
-                    prefill_s,
-                    prefill_tokens,
-                    predicted_s,
-                    (("x-tierstore-host", name), ("x-tierstore-placement", reason)),
-                )
-            )
+            headers = [("x-tierstore-host", name), ("x-tierstore-placement", reason)]
+            if cost is not None:
+                headers.append(("x-tierstore-estimate", estimate_header(cost)))
+            out.append(Attempt(name, backend.url, prefill_s, prefill_tokens, predicted_s,
+                               tuple(headers)))  # fmt: skip
         return out
 
     # -- endpoints ------------------------------------------------------------------------
@@ -215,6 +213,16 @@ class Gateway:
             content_type="text/plain",
             headers={"X-Content-Type": "version=0.0.4"},
         )
+
+
+def estimate_header(cost: HostCost) -> str:
+    """The cost model's estimate for the host that answers, for the client and
+    for whoever asks why a turn was slow: TTFT and its parts in seconds, and
+    the prefix blocks it expected from each tier."""
+    parts = [f"ttft={cost.ttft_s:.3f}", f"queue={cost.queue_s:.3f}", f"load={cost.load_s:.3f}",
+             f"prefill={cost.prefill_s:.3f}", f"reused={cost.reused_tokens}"]  # fmt: skip
+    parts += [f"{tier}={n}" for tier, n in sorted(cost.blocks.items())]
+    return ";".join(parts)
 
 
 class _Tracker:

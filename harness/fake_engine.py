@@ -1,10 +1,13 @@
-"""A fake OpenAI-compatible engine for the gateway's HTTP tests: vLLM's routes
-(``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/metrics``,
-``/health``, ``/tokenize``) answered by rules the test sets, so failures can be
-made on purpose: a 503, a connection dropped before the first byte, a stream
-cut after it, a stream held at its first chunk until the test lets it go.
+"""A fake OpenAI-compatible engine: vLLM's routes (``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ``/metrics``, ``/health``,
+``/tokenize``) answered at once by rules the caller sets, so failures can be
+made on purpose (a 503, a connection dropped before the first byte, a stream
+cut after it, a stream held at its first chunk until released) and a
+gateway's own cost measured with no engine time in the way.
 
-Runs on the event loop of ``harness.gateway.LoopThread``.
+Runs on the event loop of ``harness.gateway.LoopThread`` (the gateway's
+tests), or as a process of its own: ``python -m harness.fake_engine --port N``
+(the gateway's load bench).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class FakeEngine:
     release: asyncio.Event | None = None
     sent_first: asyncio.Event | None = None
 
-    async def start(self) -> str:
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self.release, self.sent_first = asyncio.Event(), asyncio.Event()
         app = web.Application()
         app.router.add_post("/v1/completions", self.complete)
@@ -49,10 +52,10 @@ class FakeEngine:
         app.router.add_post("/tokenize", self.tokenize)
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, host, port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         return self.url
 
     async def stop(self) -> None:
@@ -108,3 +111,24 @@ class FakeEngine:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="a fake OpenAI engine that answers at once")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--chunks", type=int, default=4, help="streamed chunks per answer")
+    args = p.parse_args()
+
+    async def serve() -> None:
+        engine = FakeEngine(chunks=args.chunks)
+        await engine.start(args.host, args.port)
+        await asyncio.Event().wait()  # until the process is stopped
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()
