@@ -42,54 +42,62 @@ class PrefixTokens:
     def __init__(self, backend: Any, added: dict[int, Any], max_tokens: int = 1 << 24) -> None:
         self.backend = backend
         self.max_tokens = max_tokens
-        cuts = [t.content for t in added.values()
-                if t.special and not t.lstrip and not t.rstrip and not t.normalized]  # fmt: skip
-        self._cut_re = re.compile("|".join(map(re.escape, sorted(cuts, key=len, reverse=True))))
-        self._has_cuts = bool(cuts)
+        cuts = {i: t.content for i, t in added.items()
+                if t.special and not t.lstrip and not t.rstrip and not t.normalized}  # fmt: skip
+        self._cut_ids = np.array(sorted(cuts), dtype=np.int64)
+        self._cut_re = re.compile(
+            "|".join(map(re.escape, sorted(cuts.values(), key=len, reverse=True)))
+        )
         self._lock = threading.Lock()
         self._cache: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._cached_tokens = 0
         self.hits = 0
         self.misses = 0
+        self.unmatched = 0
 
     @staticmethod
-    def _key(prefix: str) -> bytes:
-        return blake3.blake3(prefix.encode()).digest(16)
+    def _keys(text: str, cuts: list[int]) -> list[bytes]:
+        """The key of ``text[:cut]`` for each of ``cuts`` (ascending), in one
+        pass over the text (blake3 of its UTF-8, which is per character)."""
+        hasher = blake3.blake3()
+        keys, prev = [], 0
+        for cut in cuts:
+            hasher.update(text[prev:cut].encode())
+            prev = cut
+            keys.append(hasher.copy().digest(16))
+        return keys
 
     def encode(self, text: str) -> list[int]:
         """``text``'s ids (no special tokens added), reusing a cached prefix."""
-        cuts = [m.start() for m in self._cut_re.finditer(text)] if self._has_cuts else []
-        start, head = 0, None
+        cuts = [m.start() for m in self._cut_re.finditer(text)] if self._cut_ids.size else []
+        keys = self._keys(text, cuts)
+        start, hit, head = 0, -1, None
         with self._lock:
-            for pos in reversed(cuts):
-                key = self._key(text[:pos])
-                head = self._cache.get(key)
+            for i in range(len(cuts) - 1, -1, -1):
+                head = self._cache.get(keys[i])
                 if head is not None:
-                    self._cache.move_to_end(key)
-                    start = pos
+                    self._cache.move_to_end(keys[i])
+                    start, hit = cuts[i], i
                     break
             if head is None:
                 self.misses += 1
             else:
                 self.hits += 1
-        enc = self.backend.encode(text[start:], add_special_tokens=False)
-        tail = np.asarray(enc.ids, dtype=np.int64)
+        tail = np.asarray(self.backend.encode(text[start:], add_special_tokens=False).ids,
+                          dtype=np.int64)  # fmt: skip
         ids = tail if head is None else np.concatenate([head, tail])
-        self._remember(text, cuts[-MAX_CUTS_KEPT:], start, ids, len(ids) - len(tail), enc.offsets)
+        # The cut tokens of the tail are the cuts from the hit on, in order (each
+        # is extracted whole, as one id); the first is the hit's own.
+        at = (np.flatnonzero(np.isin(tail, self._cut_ids)) + (len(ids) - len(tail))).tolist()
+        at = at[1 if hit >= 0 else 0 :]
+        if len(at) == len(keys) - hit - 1:
+            self._remember(ids, list(zip(keys[hit + 1 :], at))[-MAX_CUTS_KEPT:])
+        else:  # the text's cut tokens were not all extracted as such: cache nothing
+            self.unmatched += 1
         return ids.tolist()  # type: ignore[no-any-return]
 
-    def _remember(
-        self, text: str, cuts: list[int], start: int, ids: np.ndarray, head_len: int,
-        offsets: list[Any],
-    ) -> None:  # fmt: skip
-        """Cache ``text``'s ids up to each of ``cuts`` (its last special tokens);
-        ``offsets``: each tail token's character span, from ``start``."""
-        starts = np.fromiter((a for a, _ in offsets), dtype=np.int64, count=len(offsets))
-        entries = [
-            (self._key(text[:cut]), head_len + int(np.searchsorted(starts, cut - start)))
-            for cut in cuts
-            if cut > start
-        ]
+    def _remember(self, ids: np.ndarray, entries: list[tuple[bytes, int]]) -> None:
+        """Cache ``ids[:n]`` under each (key, n) of ``entries``."""
         with self._lock:
             for key, n in entries:
                 if key in self._cache:

@@ -60,7 +60,7 @@ def check(tok: Any, words: list[str]) -> tuple[int, int]:
             assert cache.encode(prompt) == whole
             compared += len(whole)
             messages.append({"role": "assistant", "content": texts[2 + 2 * t]})
-    assert cache.hits >= 6 * 4  # every later turn of every chat
+    assert cache.hits >= 6 * 4 and cache.unmatched == 0  # every later turn of every chat
     return compared, cache.hits
 
 
