@@ -37,13 +37,7 @@ import grpc
 from tierstore.config.gateway import GatewayConfig
 from tierstore.config.peer import PeerConfig
 from tierstore.gateway.backends import Backend, BackendSet
-from tierstore.gateway.load import (
-    EngineCounts,
-    Ledger,
-    PrefillMeter,
-    host_load,
-    scrape_counts,
-)
+from tierstore.gateway.load import EngineCounts, Ledger, host_load, scrape_counts
 from tierstore.gateway.metrics import GatewayMetrics
 from tierstore.gateway.placement import Candidate
 from tierstore.gateway.requests import ApiError
@@ -64,7 +58,6 @@ class Engine:
     down_until: float = 0.0  # after a failed request: skipped until then
     models: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> model card
     counts: EngineCounts | None = None
-    prefill: PrefillMeter = field(default_factory=PrefillMeter)  # the speed it reports
     layout: KVLayout | None = None  # the base layout its sidecar's engine registered
     subscriber: EngineSubscriber | None = None
     models_at: float = 0.0
@@ -97,7 +90,7 @@ class Fleet:
         self.metrics = metrics
         self.router = router
         self.ledger = Ledger()
-        self.prefill_tokens_per_s = prefill_tokens_per_s  # until an engine's is known
+        self.prefill_tokens_per_s = prefill_tokens_per_s  # configured; calibrated per engine
         self._configured_layout = layout
         self._engines: dict[str, Engine] = {}
         self._version: int | None = None
@@ -177,13 +170,10 @@ class Fleet:
         return out
 
     def effective_prefill(self, e: Engine) -> float:
-        """The prefill speed the cost model uses for ``e``: the engine's own
-        figure (else what the gateway saw of its TTFTs, else the configured
-        one), slowed by how much later its first tokens came than estimated."""
-        name = e.backend.name
-        rate = (e.prefill.tokens_per_s or self.ledger.prefill_tokens_per_s(name)
-                or self.prefill_tokens_per_s)  # fmt: skip
-        return rate / self.ledger.ttft_factor(name)
+        """The prefill speed the cost model uses for ``e``: the configured one
+        (``prefill_tokens_per_s``), slowed or sped by how much later (or
+        sooner) its first tokens came than estimated (the ledger's factor)."""
+        return self.prefill_tokens_per_s / self.ledger.ttft_factor(e.backend.name)
 
     def failed(self, name: str, why: str) -> None:
         """A request to ``name`` failed before its first byte: skip it for a while."""
@@ -281,7 +271,6 @@ class Fleet:
             ) as r:
                 r.raise_for_status()
                 e.counts = scrape_counts(await r.text())
-            e.prefill.update(e.counts)
             now = time.monotonic()
             if not e.up or now - e.models_at >= self.cfg.gateway_models_poll_s:
                 await self._read_models(e)

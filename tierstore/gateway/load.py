@@ -4,18 +4,16 @@ Provides:
 - ``scrape_counts(text)``: running and waiting requests from an engine's
   Prometheus page (vLLM's ``vllm:num_requests_running`` /
   ``vllm:num_requests_waiting``, SGLang's ``sglang:num_running_reqs`` /
-  ``sglang:num_queue_reqs``), summed over their labels, and vLLM's totals of
-  prefill seconds and computed prompt tokens; a line scan, not a full parse
-  (vLLM's page is tens of KB of histograms, scraped every
+  ``sglang:num_queue_reqs``), summed over their labels; a line scan, not a
+  full parse (vLLM's page is tens of KB of histograms, scraped every
   ``gateway_load_poll_s``);
-- ``PrefillMeter``: an engine's prefill speed from those totals;
 - ``Ledger``: the requests this gateway has in flight on each engine, each
   with the prefill time the cost model expected for it; what is still
   waiting for its first token is the queue a new request would join
-  (``pending_prefill_s``). It also learns each engine's prefill speed from
-  requests that found it idle (``prefill_tokens_per_s``), and how far its
-  first tokens come later than the cost model said (``ttft_factor``: the
-  decodes and batching of a busy engine, which the model does not see);
+  (``pending_prefill_s``). It also learns how far each engine's first tokens
+  come later than the cost model said (``ttft_factor``: the engine's real
+  speed against the configured one, its decodes and its batching, which the
+  model does not see), which calibrates the model per engine;
 - ``host_load(...)``: the two views as the cost model's ``HostLoadView``.
 
 Pure apart from the ledger's lock. The ledger is updated from the event
@@ -32,10 +30,7 @@ from tierstore.load import HostLoadView
 
 RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
-PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"  # scheduled -> first token, summed
-COMPUTED_TOKENS = "vllm:prompt_tokens_by_source_total"  # with source="local_compute"
-RATE_WEIGHT = 0.3  # weight of the newest prefill-speed sample
-RATE_MIN_TOKENS = 256  # prefills shorter than this are mostly fixed costs: not a speed sample
+RATE_WEIGHT = 0.3  # weight of the newest TTFT-factor sample
 FACTOR_MIN_PREDICTED_S = 0.05  # shorter estimates are mostly fixed costs: not a factor sample
 FACTOR_MIN, FACTOR_MAX = 0.25, 8.0  # one outlier moves the factor at most this far
 
@@ -45,24 +40,16 @@ class EngineCounts:
     running: float = 0.0
     waiting: float = 0.0
     at: float = 0.0  # time.monotonic() of the scrape
-    prefill_s: float = 0.0  # vLLM: seconds its requests spent in prefill, ever
-    computed_tokens: float = 0.0  # vLLM: prompt tokens it computed (not cached), ever
 
 
 def scrape_counts(text: str) -> EngineCounts:
-    """Running and waiting requests on an engine's /metrics page, and vLLM's
-    totals of prefill seconds and computed prompt tokens."""
-    running = waiting = prefill_s = computed = 0.0
+    """Running and waiting requests on an engine's /metrics page."""
+    running = waiting = 0.0
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if (
-            name not in RUNNING
-            and name not in WAITING
-            and name != PREFILL_SECONDS
-            and not (name == COMPUTED_TOKENS and 'source="local_compute"' in line)
-        ):
+        if name not in RUNNING and name not in WAITING:
             continue
         try:
             value = float(line.rsplit(" ", 1)[1])
@@ -70,37 +57,9 @@ def scrape_counts(text: str) -> EngineCounts:
             continue
         if name in RUNNING:
             running += value
-        elif name in WAITING:
-            waiting += value
-        elif name == PREFILL_SECONDS:
-            prefill_s += value
         else:
-            computed += value
-    return EngineCounts(running, waiting, time.monotonic(), prefill_s, computed)
-
-
-class PrefillMeter:
-    """An engine's prefill speed as it reports it: computed prompt tokens per
-    second of prefill between two scrapes (vLLM's own counters, so under the
-    load it has, decodes interleaved), weighted toward the newest window of
-    at least ``RATE_MIN_TOKENS`` tokens. 0 until it has one."""
-
-    def __init__(self) -> None:
-        self.tokens_per_s = 0.0
-        self._base: EngineCounts | None = None
-
-    def update(self, counts: EngineCounts) -> None:
-        base = self._base
-        if base is None or counts.computed_tokens < base.computed_tokens:  # a restart
-            self._base = counts
-            return
-        tokens = counts.computed_tokens - base.computed_tokens
-        seconds = counts.prefill_s - base.prefill_s
-        if tokens < RATE_MIN_TOKENS or seconds <= 0:
-            return
-        sample = tokens / seconds
-        self.tokens_per_s = _ewma(self.tokens_per_s, sample)
-        self._base = counts
+            waiting += value
+    return EngineCounts(running, waiting, time.monotonic())
 
 
 @dataclass(slots=True)
@@ -109,7 +68,6 @@ class _Flight:
     prefill_s: float  # the cost model's estimate when it was placed
     prefill_tokens: int
     sent_at: float
-    alone: bool  # nothing else in flight on the host when it was sent
     predicted_s: float = 0.0  # the cost model's whole TTFT estimate (0: none)
     factor: float = 1.0  # the host's TTFT factor the estimate was made with
     first_at: float = 0.0  # first byte of the answer (0: not yet)
@@ -118,7 +76,6 @@ class _Flight:
 @dataclass(slots=True)
 class _Host:
     flights: dict[int, _Flight] = field(default_factory=dict)
-    prefill_tokens_per_s: float = 0.0  # learned; 0: not yet
     ttft_factor: float = 0.0  # observed TTFT over the estimate; 0: no sample yet
 
 
@@ -141,8 +98,8 @@ class Ledger:
             self._next += 1
             self._where[self._next] = host
             h.flights[self._next] = _Flight(
-                host, prefill_s, prefill_tokens, time.monotonic(), alone=not h.flights,
-                predicted_s=predicted_s, factor=h.ttft_factor or 1.0,
+                host, prefill_s, prefill_tokens, time.monotonic(), predicted_s=predicted_s,
+                factor=h.ttft_factor or 1.0,
             )  # fmt: skip
             return self._next
 
@@ -156,8 +113,6 @@ class Ledger:
             f.first_at = now
             ttft = now - f.sent_at
             h = self._hosts[f.host]
-            if f.alone and f.prefill_tokens >= RATE_MIN_TOKENS and ttft > 0:
-                h.prefill_tokens_per_s = _ewma(h.prefill_tokens_per_s, f.prefill_tokens / ttft)
             if f.predicted_s >= FACTOR_MIN_PREDICTED_S:
                 sample = min(max(f.factor * ttft / f.predicted_s, FACTOR_MIN), FACTOR_MAX)
                 h.ttft_factor = _ewma(h.ttft_factor, sample)
@@ -195,17 +150,6 @@ class Ledger:
             total = sum(f.prefill_s for f in waiting)
             oldest = min(waiting, key=lambda f: f.sent_at)
             return max(total - min(now - oldest.sent_at, oldest.prefill_s), 0.0)
-
-    def prefill_tokens_per_s(self, host: str) -> float:
-        """The prefill speed learned on ``host``; for a host with no sample
-        yet, the mean of the others' (a measured host must not look slower
-        than one still at the configured guess); 0: none learned anywhere."""
-        with self._lock:
-            h = self._hosts.get(host)
-            if h is not None and h.prefill_tokens_per_s:
-                return h.prefill_tokens_per_s
-            known = [x.prefill_tokens_per_s for x in self._hosts.values() if x.prefill_tokens_per_s]
-            return sum(known) / len(known) if known else 0.0
 
     def ttft_factor(self, host: str) -> float:
         """How much longer ``host``'s first tokens took than the cost model

@@ -46,7 +46,7 @@ class Candidate:
     waiting: float  # requests not yet started: the gateway's and the engine's count
     in_flight: float  # requests the host is working on, started or not
     hbm: bytes = b""  # tier codes of the prefix its engine's events say it holds
-    prefill_tokens_per_s: float = 0.0  # learned by the gateway (0: not yet)
+    prefill_tokens_per_s: float = 0.0  # calibrated by the gateway (0: the router's configured)
 
 
 @dataclass(frozen=True, slots=True)

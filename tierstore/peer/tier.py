@@ -59,7 +59,7 @@ PEER_COUNTERS = (
     "fetch_errors",  # transfers that failed before their deadline: refused, reset, bad stream
     "fetch_timeouts",  # transfers cut by their deadline: a peer or link that stalled
     "fetch_verify_failures",
-    "pulls_joined",  # pulls that waited for the same prefix's pull already running here
+    "pulls_joined",  # pulls that waited for blocks another pull here was fetching
     "pushes",
     "pushed_blocks",
     "push_errors",
@@ -100,8 +100,8 @@ class PeerTier:
             exclude=self_address,
         )
         self._codec_bytes_per_s = _measure_codec()
-        # Pulls in flight, by their prefix's first key (see ``pull``).
-        self._pulls: dict[tuple[bytes, BlockKey], threading.Event] = {}
+        # The blocks pulls here are fetching now, and each one's pull (see ``pull``).
+        self._pulling: dict[BlockKey, threading.Event] = {}
         self._pulls_lock = threading.Lock()
         self.verifier = Verifier()  # received blocks are verified on every core
         self.replicator = Replicator(
@@ -141,37 +141,41 @@ class PeerTier:
         return best
 
     def pull(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> int:
-        """Fetch as much of the prefix ``keys`` (all missing here) as a peer
-        holds, within ``timeout_s``. Returns the blocks now held locally.
+        """Fetch as much of the prefix ``keys`` as a peer holds, within
+        ``timeout_s``. Returns how long a prefix of ``keys`` is held here now.
 
-        A pull of a prefix that another pull here is already fetching (a
-        gateway's pre-positioning, then the engine's own load of the same
-        turn) waits for that one, within ``timeout_s``, instead of fetching
-        the same blocks a second time, and answers what is held then."""
-        if not keys:
-            return 0
-        token = (layout.fingerprint, keys[0])
+        Blocks that another pull here is already fetching (a gateway's
+        pre-positioning, then the engine's own load of the same turn) are
+        waited for, within ``timeout_s``, instead of fetched a second time:
+        two receivers of one block would also contend for its slot."""
+        deadline = time.monotonic() + timeout_s
         with self._pulls_lock:
-            running = self._pulls.get(token)
-            leader = running is None
-            if running is None:
-                running = self._pulls[token] = threading.Event()
-        if not leader:
+            running = {self._pulling[k] for k in keys if k in self._pulling}
+        if running:
             self.counters.add("pulls_joined")
-            running.wait(timeout_s)
-            held = self.store.held(keys)
-            return held.index(False) if False in held else len(held)
+            for event in running:
+                event.wait(max(deadline - time.monotonic(), 0.0))
+        have = _held_prefix(self.store.held(keys))
+        rest = list(keys[have:])
+        if not rest or time.monotonic() >= deadline:
+            return have
+        mine = threading.Event()
+        with self._pulls_lock:
+            claimed = [k for k in rest if k not in self._pulling]
+            for k in claimed:
+                self._pulling[k] = mine
         try:
-            deadline = time.monotonic() + timeout_s
-            lookup_s = min(timeout_s, self.cfg.peer_lookup_timeout_s)
-            peer, hits = self.lookup(layout, keys, lookup_s)
+            lookup_s = min(deadline - time.monotonic(), self.cfg.peer_lookup_timeout_s)
+            peer, hits = self.lookup(layout, rest, lookup_s)
             if peer is None:
-                return 0
-            return self._fetch(peer, layout, list(keys[:hits]), deadline).received
+                return have
+            return have + self._fetch(peer, layout, rest[:hits], deadline).received
         finally:
             with self._pulls_lock:
-                del self._pulls[token]
-            running.set()
+                for k in claimed:
+                    if self._pulling.get(k) is mine:
+                        del self._pulling[k]
+            mine.set()
 
     def _fetch(
         self, peer: PeerClient, layout: KVLayout, keys: list[BlockKey], deadline: float
@@ -347,3 +351,11 @@ def _measure_codec() -> float:
     codec.decompress_into(memoryview(packed), memoryview(bytearray(len(sample))))
     t2 = time.perf_counter()
     return len(sample) / max(t1 - t0, t2 - t1, 1e-6)
+
+
+def _held_prefix(held: Sequence[bool]) -> int:
+    """How many of the first keys are held (the length of the held prefix)."""
+    for i, h in enumerate(held):
+        if not h:
+            return i
+    return len(held)

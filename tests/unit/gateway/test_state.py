@@ -14,13 +14,7 @@ from tierstore.gateway.backends import (
     backend_of,
     parse_backend,
 )
-from tierstore.gateway.load import (
-    EngineCounts,
-    Ledger,
-    PrefillMeter,
-    host_load,
-    scrape_counts,
-)
+from tierstore.gateway.load import EngineCounts, Ledger, host_load, scrape_counts
 from tierstore.gateway.sessions import Sessions
 from tierstore.keys import chain_keys
 from tierstore.membership.members import Member
@@ -75,7 +69,6 @@ vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache
 def test_scrape_counts_sums_the_engines_and_ignores_look_alikes() -> None:
     c = scrape_counts(VLLM_METRICS)
     assert (c.running, c.waiting) == (3.0, 3.0)
-    assert (c.prefill_s, c.computed_tokens) == (2.5, 5000.0)  # cache hits are not computed
     c = scrape_counts("sglang:num_running_reqs 4\nsglang:num_queue_reqs 1\n")
     assert (c.running, c.waiting) == (4.0, 1.0)
     c = scrape_counts("garbage\nvllm:num_requests_running{x} not-a-number\n")
@@ -94,23 +87,6 @@ def test_the_ledger_queue_is_the_prefills_ahead_less_what_the_oldest_has_run() -
     assert led.in_flight("h") == (1, 1)
     led.done(a)
     assert led.in_flight("h") == (1, 0) and led.in_flight("other") == (0, 0)
-
-
-def test_the_ledger_learns_prefill_speed_only_from_requests_that_ran_alone() -> None:
-    led = Ledger()
-    t = led.sent("h", 1.0, 4000)
-    led._hosts["h"].flights[t].sent_at -= 2.0  # it took two seconds
-    led.first_byte(t)
-    assert led.prefill_tokens_per_s("h") == pytest.approx(2000, rel=0.05)
-    led.done(t)
-    busy1, busy2 = led.sent("h", 1.0, 4000), led.sent("h", 1.0, 4000)
-    led._hosts["h"].flights[busy2].sent_at -= 100.0
-    led.first_byte(busy2)  # sent while busy1 was in flight: not a speed sample
-    assert led.prefill_tokens_per_s("h") == pytest.approx(2000, rel=0.05)
-    assert busy1
-    # A host not measured yet is taken at the others' speed, not the config's guess.
-    assert led.prefill_tokens_per_s("new") == pytest.approx(2000, rel=0.05)
-    assert Ledger().prefill_tokens_per_s("any") == 0.0
 
 
 def test_host_load_counts_other_clients_waiting_requests() -> None:
@@ -151,19 +127,6 @@ def test_member_records_name_their_engines() -> None:
     assert backend_of(Member("x:1", "g", engine_url="http://x:2", engine_events="tcp://x:3")) == (
         Backend("http://x:2", "x:1", "tcp://x:3")
     )
-
-
-def test_the_prefill_meter_reads_the_engines_own_speed_between_scrapes() -> None:
-    m = PrefillMeter()
-    m.update(EngineCounts(prefill_s=10.0, computed_tokens=1000))
-    assert m.tokens_per_s == 0.0  # one scrape: no window yet
-    m.update(EngineCounts(prefill_s=10.05, computed_tokens=1100))
-    assert m.tokens_per_s == 0.0  # 100 tokens: fixed costs, not a speed
-    m.update(EngineCounts(prefill_s=12.0, computed_tokens=5000))
-    assert m.tokens_per_s == pytest.approx(4000 / 2.0)
-    m.update(EngineCounts(prefill_s=1.0, computed_tokens=600))  # the engine restarted
-    m.update(EngineCounts(prefill_s=2.0, computed_tokens=1600))
-    assert m.tokens_per_s == pytest.approx(0.7 * 2000 + 0.3 * 1000)
 
 
 def test_the_ttft_factor_learns_how_late_a_host_answers_against_the_estimate() -> None:

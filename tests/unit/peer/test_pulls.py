@@ -1,6 +1,6 @@
 """Two pulls of one prefix at once (a gateway's pre-positioning, then the
-engine's own load of the same turn) fetch it once: the second waits for the
-first and answers what is held then."""
+engine's own load of the same turn) fetch each block once: the second waits
+for the blocks the first is fetching and fetches only the rest."""
 
 from __future__ import annotations
 
@@ -50,7 +50,21 @@ def test_a_second_pull_of_the_same_prefix_joins_the_first(
         assert fetched == [6]  # one transfer
         assert results == {"a": 6, "b": 6}
         assert tier.counters.snapshot()["pulls_joined"] == 1
-        # Once it is done, a new pull of the prefix fetches again (nothing is left registered).
+        assert tier._pulling == {}  # nothing left registered
+        # A longer chain whose head is being fetched: the head is waited for,
+        # only the rest is fetched.
+        longer = chain_keys(L, np.arange(9 * L.block_tokens) + 10_000)
         fetching.clear()
-        assert tier.pull(L, keys, 10) == 6 and fetched == [6, 6]
+        release.clear()
+        first = threading.Thread(target=lambda: results.update(c=tier.pull(L, longer[:4], 10)))
+        first.start()
+        assert fetching.wait(10)
+        second = threading.Thread(target=lambda: results.update(d=tier.pull(L, longer, 10)))
+        second.start()
+        release.set()
+        first.join(10)
+        second.join(10)
+        assert fetched == [6, 4, 5] and results["c"] == 4 and results["d"] == 9
+        assert tier.counters.snapshot()["pulls_joined"] == 2
+        assert tier.pull(L, longer, 10) == 9 and fetched == [6, 4, 5]  # all held: no fetch
         tier.close()
