@@ -22,7 +22,6 @@ worker threads.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -99,14 +98,16 @@ class Gateway:
             last_host=seen.host,
             candidates=self.fleet.candidates(p.engines, p.keys),
         )
-        decision = await asyncio.to_thread(self.policy.place, turn)
+        if self.policy.may_wait(turn):
+            decision = await asyncio.to_thread(self.policy.place, turn)
+        else:
+            decision = self.policy.place(turn)
         layout, keys, tokens, req = p.layout, p.keys, p.tokens, p.request
         if decision.preposition and layout is not None:
             self.fleet.preposition(decision.order[0], layout, keys)
-        body = req.body
+        payload = raw
         if self.uses_store and keys:
-            body = with_transfer_params(body, {"session": seen.session})
-        payload = raw if body is req.body else json.dumps(body).encode()
+            payload = with_transfer_params(raw, req.body, {"session": seen.session})
         attempts = self._attempts(decision, turn, tokens)
         tracker = _Tracker(self, arrived, decision, seen.session, header_id, keys, layout)
         path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"

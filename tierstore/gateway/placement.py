@@ -20,8 +20,10 @@ class per policy (``gateway_policy``):
   load any of it from NVMe, a peer or the bucket.
 
 Placement is independent of HTTP: the same core can answer an Endpoint
-Picker. Policies are pure but for ``CostModel``, which asks the router
-(peer lookups under a deadline, or its index): it runs on a worker thread.
+Picker. Policies are pure but for ``CostModel``, which asks the router: it
+runs on the event loop when the router's index of the hosts' event streams
+answers (``may_wait`` False), on a worker thread when the router must ask
+the hosts (peer lookups under a deadline).
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class Policy(Protocol):
 
     def place(self, turn: Turn) -> Decision: ...
 
+    def may_wait(self, turn: Turn) -> bool:
+        """Whether ``place`` may wait on I/O (then it runs on a worker thread)."""
+        ...
+
 
 def _rotate(names: Sequence[str], start: int) -> tuple[str, ...]:
     k = start % len(names)
@@ -87,6 +93,9 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = itertools.count()
 
+    def may_wait(self, turn: Turn) -> bool:
+        return False
+
     def place(self, turn: Turn) -> Decision:
         names = sorted(c.name for c in turn.candidates)
         return Decision(_rotate(names, next(self._next)), "round_robin")
@@ -98,6 +107,9 @@ class LeastLoaded:
 
     def __init__(self) -> None:
         self._next = itertools.count()
+
+    def may_wait(self, turn: Turn) -> bool:
+        return False
 
     def place(self, turn: Turn) -> Decision:
         return Decision(self.order(turn.candidates), "least_loaded")
@@ -118,6 +130,9 @@ class PrefixAware:
     def __init__(self, max_waiting: float) -> None:
         self.max_waiting = max_waiting
         self._fallback = LeastLoaded()
+
+    def may_wait(self, turn: Turn) -> bool:
+        return False
 
     def place(self, turn: Turn) -> Decision:
         by_load = self._fallback.order(turn.candidates)
@@ -141,13 +156,22 @@ class CostModel:
 
     def __init__(
         self, route: Route, *, preposition: bool, move_margin_s: float = 0.0,
+        from_index: Callable[[list[str]], bool] | None = None,
         fallback: LeastLoaded | None = None,
     ) -> None:  # fmt: skip
         self.name = "tierstore" if preposition else "tierstore_no_preposition"
         self._route = route
+        self._from_index = from_index  # the router's answers_from_index
         self.preposition = preposition
         self.move_margin_s = move_margin_s
         self._fallback = fallback or LeastLoaded()
+
+    def may_wait(self, turn: Turn) -> bool:
+        """The router asks the hosts (under its lookup deadline) unless its
+        index of their event streams answers for every candidate."""
+        if turn.layout is None or self._from_index is None:
+            return turn.layout is not None
+        return not self._from_index([c.name for c in turn.candidates])
 
     def place(self, turn: Turn) -> Decision:
         if turn.layout is None or turn.num_tokens <= 0:
@@ -197,8 +221,9 @@ class CostModel:
 
 
 def make_policy(
-    name: str, route: Route | None, max_waiting: float, move_margin_s: float = 0.0
-) -> Policy:
+    name: str, route: Route | None, max_waiting: float, move_margin_s: float = 0.0,
+    from_index: Callable[[list[str]], bool] | None = None,
+) -> Policy:  # fmt: skip
     """The policy ``gateway_policy`` names; the cost model needs ``route``."""
     if name == "round_robin":
         return RoundRobin()
@@ -209,7 +234,8 @@ def make_policy(
     if name in ("tierstore", "tierstore_no_preposition"):
         if route is None:
             raise ValueError(f"gateway_policy {name} needs sidecars (backends with peer=...)")
-        return CostModel(route, preposition=name == "tierstore", move_margin_s=move_margin_s)
+        return CostModel(route, preposition=name == "tierstore", move_margin_s=move_margin_s,
+                         from_index=from_index)  # fmt: skip
     raise ValueError(
         f"gateway_policy must be round_robin, least_loaded, prefix_aware, tierstore or "
         f"tierstore_no_preposition, got {name!r}"

@@ -67,8 +67,10 @@ class PrefixTokens:
             keys.append(hasher.copy().digest(16))
         return keys
 
-    def encode(self, text: str) -> list[int]:
-        """``text``'s ids (no special tokens added), reusing a cached prefix."""
+    def encode(self, text: str, max_tail_chars: int | None = None) -> list[int] | None:
+        """``text``'s ids (no special tokens added), reusing a cached prefix;
+        None (nothing encoded) when more than ``max_tail_chars`` would be left
+        to encode: the caller then encodes on a worker thread."""
         cuts = [m.start() for m in self._cut_re.finditer(text)] if self._cut_ids.size else []
         keys = self._keys(text, cuts)
         start, hit, head = 0, -1, None
@@ -79,6 +81,8 @@ class PrefixTokens:
                     self._cache.move_to_end(keys[i])
                     start, hit = cuts[i], i
                     break
+            if max_tail_chars is not None and len(text) - start > max_tail_chars:
+                return None
             if head is None:
                 self.misses += 1
             else:

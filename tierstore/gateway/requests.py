@@ -10,8 +10,8 @@ Provides:
   streaming, the output budget, vLLM's ``cache_salt``), checked the way the
   engines check them, so a malformed request is refused here with a 4xx
   and never costs an engine a slot;
-- ``with_transfer_params(body, params)``: the body with vLLM's
-  ``kv_transfer_params`` merged in (the session and its replica target).
+- ``with_transfer_params(raw, body, params)``: the body with vLLM's
+  ``kv_transfer_params`` merged in (the session).
 
 Pure: no I/O. Runs on the gateway's event loop.
 """
@@ -187,11 +187,16 @@ def _prompt(prompt: Any) -> tuple[list[int] | None, str | None]:
     )
 
 
-def with_transfer_params(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """``body`` with ``params`` merged into its ``kv_transfer_params`` (the
-    client's own entries win: it may name its session itself)."""
+def with_transfer_params(raw: bytes, body: dict[str, Any], params: dict[str, Any]) -> bytes:
+    """The request ``raw`` (parsed: ``body``) with ``params`` in its
+    ``kv_transfer_params`` (the client's own entries win: it may name its
+    session itself). Without such a field the body is not written again:
+    the field goes in front of the others."""
     own = body.get("kv_transfer_params")
+    head = raw.lstrip()
+    if own is None and head.startswith(b"{") and body:
+        return b'{"kv_transfer_params":' + json.dumps(params).encode() + b"," + head[1:]
     merged = dict(params)
     if isinstance(own, dict):
         merged.update(own)
-    return {**body, "kv_transfer_params": merged}
+    return json.dumps({**body, "kv_transfer_params": merged}).encode()

@@ -65,7 +65,7 @@ def build(config: Config, http: aiohttp.ClientSession) -> Gateway:
                   prefill_tokens_per_s=config.router.prefill_tokens_per_s)  # fmt: skip
     policy = make_policy(
         g.gateway_policy, router.route if router else None, g.gateway_prefix_max_waiting,
-        g.gateway_move_margin_s,
+        g.gateway_move_margin_s, router.answers_from_index if router else None,
     )  # fmt: skip
 
     tokenizer = HfTokenizer(g.gateway_tokenizer) if g.gateway_tokenizer else None

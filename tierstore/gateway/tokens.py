@@ -15,7 +15,9 @@ or chat prompt exactly as the engine does. Provides:
   (vLLM's), for deployments that give the gateway no tokenizer files.
 
 The local tokenizer runs on a worker thread (``asyncio.to_thread``): a long
-prompt takes milliseconds to encode and must not hold up the event loop.
+prompt takes milliseconds to encode and must not hold up the event loop; a
+chat whose earlier turns are cached leaves only its new part to encode
+(tens of microseconds), which is done on the loop.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any, Protocol
 
 from tierstore.gateway.prefix_tokens import PrefixTokens
 from tierstore.gateway.requests import ApiError, Request
+
+QUICK_TAIL_CHARS = 4096  # a chat's new part this short is encoded on the event loop
 
 
 class RemoteTokenize(Protocol):
@@ -65,21 +69,29 @@ class HfTokenizer:
             for m in request.messages
         )
 
-    def encode(self, request: Request) -> list[int]:
-        if request.messages is None:
-            assert request.text is not None
-            return list(
-                self.tok(request.text, add_special_tokens=request.add_special_tokens)["input_ids"]
-            )
+    def render(self, request: Request) -> str:
+        """A chat's prompt text, rendered by the model's chat template."""
         kwargs = dict(request.chat_kwargs)
         kwargs.setdefault("add_generation_prompt", True)
         try:
-            text = self.tok.apply_chat_template(request.messages, tokenize=False, **kwargs)
+            text: str = self.tok.apply_chat_template(request.messages, tokenize=False, **kwargs)
         except Exception as e:  # jinja2's errors: the template refused these messages
             raise ApiError(400, f"the chat template failed on these messages: {e}") from e
-        if self.prefixes is not None and not request.add_special_tokens:
-            return self.prefixes.encode(text)
-        return list(self.tok(text, add_special_tokens=request.add_special_tokens)["input_ids"])
+        return text
+
+    def encode(self, request: Request) -> list[int]:
+        """The request's ids (a worker thread's call: a long prompt takes milliseconds)."""
+        if request.messages is None:
+            assert request.text is not None
+            return self.encode_text(request.text, request.add_special_tokens)
+        return self.encode_text(self.render(request), request.add_special_tokens)
+
+    def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self.prefixes is not None and not add_special_tokens:
+            ids = self.prefixes.encode(text)
+            assert ids is not None
+            return ids
+        return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def tokenize_body(request: Request) -> dict[str, Any]:
@@ -113,7 +125,15 @@ async def prompt_tokens(
     if request.token_ids is not None:
         return request.token_ids
     if local is not None and local.can_encode(request):
-        return await asyncio.to_thread(local.encode, request)
+        if request.messages is None or local.prefixes is None or request.add_special_tokens:
+            return await asyncio.to_thread(local.encode, request)
+        # A chat whose earlier turns are cached leaves only its new part to
+        # encode: done here; a first turn goes to a worker thread.
+        text = local.render(request)
+        ids = local.prefixes.encode(text, QUICK_TAIL_CHARS)
+        if ids is not None:
+            return ids
+        return await asyncio.to_thread(local.encode_text, text, False)
     if remote is not None:
         return await remote(tokenize_body(request))
     return None

@@ -210,6 +210,14 @@ class Router:
                 views[h] = _with_held(views[h], self.engines.prefix(h, keys))
         return [views[h] for h in hosts]
 
+    def answers_from_index(self, hosts: Sequence[str]) -> bool:
+        """Whether ``route`` for these hosts reads only the index (every host
+        synced and fresh): no call to a host, so no wait on one."""
+        if self.index is None:
+            return False
+        now = time.monotonic()
+        return all(self.index.fresh(h, now) for h in hosts)
+
     def preposition(self, host: str, layout: KVLayout, keys: Sequence[BlockKey]) -> None:
         """Ask ``host`` to prefetch ``keys`` into DRAM; returns at once (a
         failure is logged, and the request simply finds less in DRAM)."""

@@ -3,6 +3,7 @@ turn, and the 4xx errors (OpenAI's format) for what an engine would refuse."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -74,9 +75,15 @@ def test_bad_json_is_400() -> None:
 
 def test_transfer_params_merge_and_the_clients_own_win() -> None:
     body = {"model": "m", "kv_transfer_params": {"session": "mine"}}
-    out = with_transfer_params(body, {"session": "derived", "x": 1})
-    assert out["kv_transfer_params"] == {"session": "mine", "x": 1}
+    out = json.loads(with_transfer_params(json.dumps(body).encode(), body,
+                                          {"session": "derived", "x": 1}))  # fmt: skip
+    assert out == {"model": "m", "kv_transfer_params": {"session": "mine", "x": 1}}
     assert body["kv_transfer_params"] == {"session": "mine"}  # not modified in place
-    assert with_transfer_params({"model": "m"}, {"session": "s"})["kv_transfer_params"] == {
-        "session": "s"
-    }
+
+
+def test_transfer_params_go_in_front_without_writing_the_body_again() -> None:
+    raw = b'  {"model": "m", "prompt": [1, 2], "stream": true}'
+    out = with_transfer_params(raw, json.loads(raw), {"session": "s"})
+    assert out.endswith(b'"model": "m", "prompt": [1, 2], "stream": true}')
+    assert json.loads(out) == {"kv_transfer_params": {"session": "s"}, "model": "m",
+                               "prompt": [1, 2], "stream": True}  # fmt: skip
