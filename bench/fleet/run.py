@@ -100,15 +100,15 @@ def model_dir() -> Path:
     return chat_tokenizer(tiny_llama(path, **WIDE_KV))
 
 
-def sizing(w: FleetWorkload) -> Sizing:
-    """vLLM's own cache holds three conversations' final contexts (a GPU's
-    HBM holds a few long sessions: they are evicted between turns); a
+def sizing(w: FleetWorkload, kv_sessions: int = 3) -> Sizing:
+    """vLLM's own cache holds ``kv_sessions`` conversations' final contexts (a
+    GPU's HBM holds a few long sessions: they are evicted between turns); a
     sidecar's DRAM holds them all."""
     final = w.context_tokens + w.history_tokens + w.turns * (w.message_tokens + w.output_tokens)
     total_tokens = w.users * (final + 64)
-    kv = 3 * final * KV_BYTES_PER_TOKEN
-    dram = -(-int(total_tokens * KV_BYTES_PER_TOKEN * 1.5) // (64 << 20)) * (64 << 20)
     max_len = -(-(final + 256) // BLOCK_TOKENS) * BLOCK_TOKENS
+    kv = max(kv_sessions * final, max_len + BLOCK_TOKENS) * KV_BYTES_PER_TOKEN
+    dram = -(-int(total_tokens * KV_BYTES_PER_TOKEN * 1.5) // (64 << 20)) * (64 << 20)
     return Sizing(kv_cache_bytes=kv, dram_bytes=dram, nvme_bytes=2 * dram, max_model_len=max_len)
 
 
@@ -273,9 +273,11 @@ def run_mode(
     overhead_pairs: int = 0,
     kill_at_s: float | None = None,
     replicas: bool = True,
+    kv_sessions: int = 3,
 ) -> dict[str, Any]:
     requests = schedule(w)
-    with Fleet(root, MODES[mode], link, sizing(w), model, replicas=replicas) as fleet:
+    size = sizing(w, kv_sessions)
+    with Fleet(root, MODES[mode], link, size, model, replicas=replicas) as fleet:
         warm_up(fleet.gateway_url, w)
         if kill_at_s is not None:  # the failover run: host 0's engine dies mid-run
             timer = threading.Timer(kill_at_s, fleet.engines[0].kill)
@@ -367,6 +369,12 @@ def main() -> int:
     p.add_argument("--no-failover", action="store_true", help="skip the failover run")
     p.add_argument("--overhead-pairs", type=int, default=40)
     p.add_argument(
+        "--kv-sessions",
+        type=int,
+        default=3,
+        help="conversations vLLM's own KV cache holds (at their final length)",
+    )
+    p.add_argument(
         "--replicas",
         choices=("on", "off"),
         default="on",
@@ -388,7 +396,7 @@ def main() -> int:
         "link": args.link,
         "workload": asdict(w),
         "returning_turns_scheduled": w.returning_turns,
-        "sizing": asdict(sizing(w)),
+        "sizing": asdict(sizing(w, args.kv_sessions)),
         "replicas": args.replicas,
         "repeats": args.repeats,
     }
@@ -404,6 +412,7 @@ def main() -> int:
                 model,
                 overhead_pairs=pairs,
                 replicas=args.replicas == "on",
+                kv_sessions=args.kv_sessions,
             )
             if "overhead" in out:
                 result["gateway_overhead"] = out.pop("overhead")
@@ -423,6 +432,7 @@ def main() -> int:
             model,
             kill_at_s=span / 2,
             replicas=args.replicas == "on",
+            kv_sessions=args.kv_sessions,
         )
         result["failover"] = out["failover"]
     result["targets"] = targets(result)
