@@ -10,6 +10,7 @@
     python -m bench.plot --sglang sglang*.json ...
     python -m bench.plot --ttft ttft.json --peer peer.json --routing sim.json \
         --vllm vllm.json --scale scale.json --out docs/img
+    python -m bench.plot --fleet fleet.json
 
 Needs matplotlib (not a tierstore dependency: `pip install matplotlib`).
 """
@@ -17,10 +18,12 @@ Needs matplotlib (not a tierstore dependency: `pip install matplotlib`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -250,6 +253,57 @@ def plot_sglang(datas: list[dict], out: Path) -> None:
     fig.savefig(out / "sglang_rounds.png")
 
 
+FLEET_COLORS = {
+    "tierstore": "#55a868",
+    "tierstore_no_preposition": "#8172b3",
+    "prefix_aware": "#4c72b0",
+    "least_loaded": "#dd8452",
+    "round_robin": "#c44e52",
+}
+
+
+def plot_fleet(data: dict, out: Path, name: str = "fleet_ttft.png") -> None:
+    """The returning turns' TTFT distribution of each mode of a bench.fleet.run
+    (every repeat's turns together), and its switched turns beside."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.9), dpi=120)
+    for mode, figures in data["modes"].items():
+        back, switched = [], []
+        for run in figures["runs"]:
+            by_user: dict[int, list[dict]] = {}
+            for s in run["samples"]:
+                by_user.setdefault(s["user"], []).append(s)
+            for turns in by_user.values():
+                turns.sort(key=lambda s: s["turn"])
+                for prev, cur in itertools.pairwise(turns):
+                    if cur["error"] or prev["error"] or cur["ttft_s"] is None:
+                        continue
+                    back.append(cur["ttft_s"])
+                    if cur["served_by"] != prev["served_by"]:
+                        switched.append(cur["ttft_s"])
+        color = FLEET_COLORS.get(mode)
+        for ax, values in zip(axes, (back, switched)):
+            if values:
+                xs = sorted(values)
+                ys = [(i + 1) / len(xs) for i in range(len(xs))]
+                ax.step(xs, ys, where="post", color=color, label=f"{mode} ({len(xs)})")
+    ticks = [0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50]
+    for ax, title in zip(axes, ("returning turns", "turns that moved to another host")):
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FixedFormatter([f"{t:g}" for t in ticks]))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("time to first token (s, log scale)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel("share of turns")
+    link = data.get("link", "")
+    fig.suptitle(f"Two vLLM engines behind the gateway, {link} link, "
+                 f"{data.get('repeats', 1)} repeat(s) a mode")  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(out / name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ttft", type=Path)
@@ -264,6 +318,8 @@ def main() -> None:
     parser.add_argument(
         "--sglang", type=Path, nargs="+", help="bench.engines.sglang_hicache --json output(s)"
     )
+    parser.add_argument("--fleet", type=Path, help="bench.fleet.run --json output")
+    parser.add_argument("--fleet-name", default="fleet_ttft.png", help="the fleet chart's file")
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -281,6 +337,8 @@ def main() -> None:
         plot_rules(json.loads(args.rules.read_text()), args.out)
     if args.sglang:
         plot_sglang([json.loads(f.read_text()) for f in args.sglang], args.out)
+    if args.fleet:
+        plot_fleet(json.loads(args.fleet.read_text()), args.out, args.fleet_name)
 
 
 if __name__ == "__main__":
