@@ -259,6 +259,9 @@ class _Tracker:
         self.gw.fleet.ledger.first_byte(ticket)
         self.gw.sessions.ran(self.session, attempt.name, self.keys, self.header_id)
 
+    def chunk(self, attempt: Attempt, ticket: int) -> None:
+        self.gw.fleet.ledger.chunk(ticket)
+
     def done(self, attempt: Attempt, ticket: int) -> None:
         self.gw.metrics.in_flight.labels(attempt.name).dec()
         self.gw.fleet.ledger.done(ticket)

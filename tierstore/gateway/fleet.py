@@ -156,7 +156,9 @@ class Fleet:
                 waiting,
                 e.counts,
                 self.cfg.gateway_foreign_request_s,
+                self.ledger.step_s(name),
             )
+
             out.append(
                 Candidate(
                     name=name,

@@ -76,6 +76,10 @@ class Tracker(Protocol):
 
     def first_byte(self, attempt: Attempt, ticket: int) -> None: ...
 
+    def chunk(self, attempt: Attempt, ticket: int) -> None:
+        """A later chunk of a streamed answer went to the client."""
+        ...
+
     def done(self, attempt: Attempt, ticket: int) -> None: ...
 
     def failed(self, attempt: Attempt, why: str) -> None:
@@ -150,6 +154,7 @@ async def forward(
                 try:
                     async for chunk in resp.content.iter_any():
                         await client.write(chunk)
+                        tracker.chunk(att, ticket)
                 except (aiohttp.ClientError, TimeoutError) as e:
                     out.cut = True
                     tracker.cut(att, f"{type(e).__name__}: {e}")

@@ -71,12 +71,14 @@ class _Flight:
     predicted_s: float = 0.0  # the cost model's whole TTFT estimate (0: none)
     factor: float = 1.0  # the host's TTFT factor the estimate was made with
     first_at: float = 0.0  # first byte of the answer (0: not yet)
+    last_at: float = 0.0  # the answer's latest chunk
 
 
 @dataclass(slots=True)
 class _Host:
     flights: dict[int, _Flight] = field(default_factory=dict)
     ttft_factor: float = 0.0  # observed TTFT over the estimate; 0: no sample yet
+    step_s: float = 0.0  # gap between streamed chunks: the engine's step while it decodes
 
 
 class Ledger:
@@ -110,13 +112,36 @@ class Ledger:
             f = self._find(ticket)
             if f is None or f.first_at:
                 return 0.0
-            f.first_at = now
+            f.first_at = f.last_at = now
             ttft = now - f.sent_at
             h = self._hosts[f.host]
             if f.predicted_s >= FACTOR_MIN_PREDICTED_S:
                 sample = min(max(f.factor * ttft / f.predicted_s, FACTOR_MIN), FACTOR_MAX)
                 h.ttft_factor = _ewma(h.ttft_factor, sample)
             return ttft
+
+    def chunk(self, ticket: int) -> None:
+        """A chunk of a streamed answer arrived: its gap from the last one is
+        a sample of the engine's step time (one token per running request)."""
+        now = time.monotonic()
+        with self._lock:
+            f = self._find(ticket)
+            if f is None or not f.first_at:
+                return
+            if f.last_at:
+                h = self._hosts[f.host]
+                h.step_s = _ewma(h.step_s, now - f.last_at)
+            f.last_at = now
+
+    def step_s(self, host: str) -> float:
+        """How long ``host``'s engine takes a step now: the streamed gaps of
+        its answers, while any of this gateway's answers is streaming there
+        (an idle engine takes a new request's prefill at once)."""
+        with self._lock:
+            h = self._hosts.get(host)
+            if h is None or not any(f.first_at for f in h.flights.values()):
+                return 0.0
+            return h.step_s
 
     def done(self, ticket: int) -> None:
         with self._lock:
@@ -165,18 +190,20 @@ class Ledger:
 
 
 def host_load(
-    pending_s: float, own_waiting: int, counts: EngineCounts | None, foreign_request_s: float
-) -> HostLoadView:
+    pending_s: float, own_waiting: int, counts: EngineCounts | None, foreign_request_s: float,
+    step_s: float = 0.0,
+) -> HostLoadView:  # fmt: skip
     """The cost model's view of one engine: the wait for a new request is the
     prefill queued by this gateway, plus the requests the engine says are
     waiting beyond this gateway's own (other gateways', direct clients'),
-    each at ``foreign_request_s``. ``HostLoadView``'s slot terms are unused:
-    a CPU or GPU engine batches every running request, and what a new one
-    waits for is the prefills ahead of it."""
+    each at ``foreign_request_s``, plus one step of the decodes it runs now
+    (``step_s``: a new prefill shares its step with them). ``HostLoadView``'s
+    slot terms are unused: an engine batches every running request, and what
+    a new one waits for is the work ahead of it."""
     foreign = 0.0
     if counts is not None:
         foreign = max(counts.waiting - own_waiting, 0.0) * foreign_request_s
-    wait_s = pending_s + foreign
+    wait_s = pending_s + foreign + step_s
     if wait_s <= 0:
         return HostLoadView(reported=True, busy_slots=0, slots=1)
     return HostLoadView(reported=True, busy_slots=1, slots=1, queue_len=0, wait_s=wait_s)

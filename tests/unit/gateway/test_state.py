@@ -146,3 +146,17 @@ def test_the_ttft_factor_learns_how_late_a_host_answers_against_the_estimate() -
     before = led.ttft_factor("h")
     led.first_byte(t)
     assert led.ttft_factor("h") == before
+
+
+def test_the_step_time_is_the_streamed_gap_and_counts_only_while_streaming() -> None:
+    led = Ledger()
+    t = led.sent("h", 0.1, 100)
+    led.first_byte(t)
+    assert led.step_s("h") == 0.0  # one chunk: no gap yet
+    for _ in range(3):
+        led._hosts["h"].flights[t].last_at -= 0.2  # the next chunk 0.2 s later
+        led.chunk(t)
+    assert led.step_s("h") == pytest.approx(0.2, rel=0.05)
+    led.done(t)
+    assert led.step_s("h") == 0.0  # nothing streams there now: a new prefill starts at once
+    assert host_load(1.0, 0, None, 0.0, step_s=0.2).wait_s == pytest.approx(1.2)
