@@ -17,7 +17,8 @@ import pytest
 
 from harness import REPO, child_env
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# Two engines start, then a schedule of about a minute runs: several minutes on two cores.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2")
@@ -25,7 +26,7 @@ def test_the_fleet_bench_runs_the_tierstore_mode_end_to_end() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench.fleet.run", "--json", "--quick", "--repeats", "1",
          "--modes", "tierstore", "--no-failover", "--overhead-pairs", "3", "--kv-sessions", "1"],
-        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=1200,
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=840,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
