@@ -1,7 +1,8 @@
 """The fleet bench's figures from its samples, and its targets.
 
 Provides ``turn_figures`` (one run's TTFTs: returning, switched and stayed;
-ITL; output tokens/s; warm switches), ``failover_figures`` (what a killed
+ITL; output tokens/s; switches warm, partly warm and cold as the kv_share
+write-up counts them), ``failover_figures`` (what a killed
 engine cost), ``prompt_sources`` (the engines' own count of where prompt
 tokens came from), ``summarize`` (each figure's median, min and max over the
 repeats) and ``targets`` (issue 38's: each ratio it names and whether it
@@ -17,7 +18,8 @@ from typing import Any
 from bench.fleet.topology import BLOCK_TOKENS, Fleet
 from harness.chat_load import Sample, parse_metrics, percentile
 
-WARM_SHARE = 0.9
+WARM_SHARE = 0.9  # a switch is warm at >= 90% of its last prompt reused (kv_share's rule),
+PARTLY_WARM_SHARE = 0.3  # partly warm at 30-90%, cold below
 FIGURES = (
     "ttft_returning_p50_s",
     "ttft_returning_p90_s",
@@ -28,6 +30,8 @@ FIGURES = (
     "switched_turns",
     "warm_switch_share",
     "warm_switch_store_share",
+    "partly_warm_switch_share",
+    "cold_switch_share",
     "requests_failed",
 )
 
@@ -41,7 +45,7 @@ def turn_figures(samples: list[Sample], host_of: Any) -> dict[str, Any]:
     by_user: dict[int, list[Sample]] = {}
     for s in samples:
         by_user.setdefault(s.user, []).append(s)
-    back, switched, stayed, warm, warm_store = [], [], [], 0, 0
+    back, switched, stayed, warm, warm_store, partly = [], [], [], 0, 0, 0
     for turns in by_user.values():
         turns.sort(key=lambda s: s.turn)
         visited: set[int] = set()
@@ -60,6 +64,8 @@ def turn_figures(samples: list[Sample], host_of: Any) -> dict[str, Any]:
             if (cur.cached_tokens or 0) >= WARM_SHARE * reusable:
                 warm += 1
                 warm_store += here not in visited
+            elif (cur.cached_tokens or 0) >= PARTLY_WARM_SHARE * reusable:
+                partly += 1
     ok = [s for s in samples if s.error is None]
     itl = [g for s in ok for g in s.itl_s]
     start = min((s.sent_s for s in samples), default=0.0)
@@ -76,6 +82,10 @@ def turn_figures(samples: list[Sample], host_of: Any) -> dict[str, Any]:
         "switched_turns": len(switched),
         "warm_switch_share": rounded(warm / len(switched), 3) if switched else None,
         "warm_switch_store_share": rounded(warm_store / warm, 3) if warm else None,
+        "partly_warm_switch_share": rounded(partly / len(switched), 3) if switched else None,
+        "cold_switch_share": (
+            rounded((len(switched) - warm - partly) / len(switched), 3) if switched else None
+        ),
         "requests_failed": len(samples) - len(ok),
         "errors": sorted({s.error for s in samples if s.error})[:5],
         "placements": dict(sorted(_count(s.placement for s in samples).items())),

@@ -34,6 +34,7 @@ turns that reused at least 90% of the blocks of their previous prompt:
 vLLM's ``cached_tokens``, which counts a store's blocks and the engine's
 own), ``warm_switch_store_share`` (of those, the ones on a host that had
 never run the conversation: the prefix can only have come from a store),
+``partly_warm_switch_share`` (30-90% reused) and ``cold_switch_share``,
 ``requests_failed``; and where prompt tokens came from (the engines'
 ``vllm:prompt_tokens_by_source``).
 
