@@ -18,8 +18,8 @@ from typing import Any
 from bench.fleet.topology import BLOCK_TOKENS, Fleet
 from harness.chat_load import Sample, parse_metrics, percentile
 
-WARM_SHARE = 0.9  # a switch is warm at >= 90% of its last prompt reused (kv_share's rule),
-PARTLY_WARM_SHARE = 0.3  # partly warm at 30-90%, cold below
+WARM_SHARE = 0.9  # a switch reusing >= 90% of its last prompt is warm (kv_share's rule)
+PARTLY_WARM_SHARE = 0.3  # 30-90%: partly warm; below: cold
 FIGURES = (
     "ttft_returning_p50_s",
     "ttft_returning_p90_s",
