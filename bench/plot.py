@@ -28,6 +28,9 @@ import matplotlib.ticker
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench.fleet.figures import conversations
+from harness.chat_load import Sample
+
 
 def plot_ttft(data: dict, out: Path) -> None:
     runs = data["runs"]
@@ -269,17 +272,13 @@ def plot_fleet(data: dict, out: Path, name: str = "fleet_ttft.png") -> None:
     for mode, figures in data["modes"].items():
         back, switched = [], []
         for run in figures["runs"]:
-            by_user: dict[int, list[dict]] = {}
-            for s in run["samples"]:
-                by_user.setdefault(s["user"], []).append(s)
-            for turns in by_user.values():
-                turns.sort(key=lambda s: s["turn"])
+            for turns in conversations([Sample(**row) for row in run["samples"]]):
                 for prev, cur in itertools.pairwise(turns):
-                    if cur["error"] or prev["error"] or cur["ttft_s"] is None:
+                    if cur.error or prev.error or cur.ttft_s is None:
                         continue
-                    back.append(cur["ttft_s"])
-                    if cur["served_by"] != prev["served_by"]:
-                        switched.append(cur["ttft_s"])
+                    back.append(cur.ttft_s)
+                    if cur.served_by != prev.served_by:
+                        switched.append(cur.ttft_s)
         color = FLEET_COLORS.get(mode)
         for ax, values in zip(axes, (back, switched)):
             if values:

@@ -1,12 +1,13 @@
 """The fleet bench's figures from its samples, and its targets.
 
-Provides ``turn_figures`` (one run's TTFTs: returning, switched and stayed;
-ITL; output tokens/s; switches warm, partly warm and cold as the kv_share
-write-up counts them), ``failover_figures`` (what a killed
-engine cost), ``prompt_sources`` (the engines' own count of where prompt
-tokens came from), ``summarize`` (each figure's median, min and max over the
-repeats) and ``targets`` (issue 38's: each ratio it names and whether it
-holds). Pure but for ``prompt_sources``, which reads the engines' /metrics.
+Provides ``conversations`` (each user's turns in order), ``turn_figures``
+(one run's TTFTs: returning, switched and stayed; ITL; output tokens/s;
+switches warm, partly warm and cold as the kv_share write-up counts them),
+``failover_figures`` (what a killed engine cost), ``prompt_sources`` (the
+engines' own count of where prompt tokens came from), ``summarize`` (each
+figure's median, min and max over the repeats) and ``targets`` (issue 38's:
+each ratio it names and whether it holds). Pure but for ``prompt_sources``,
+which reads the engines' /metrics.
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ def rounded(x: float | None, digits: int = 4) -> float | None:
     return None if x is None else round(x, digits)
 
 
-def turn_figures(samples: list[Sample], host_of: Any) -> dict[str, Any]:
-    """One run's figures (see the module docstring)."""
+def conversations(samples: list[Sample]) -> list[list[Sample]]:
+    """Each user's turns, in turn order."""
     by_user: dict[int, list[Sample]] = {}
     for s in samples:
         by_user.setdefault(s.user, []).append(s)
+    return [sorted(turns, key=lambda s: s.turn) for turns in by_user.values()]
+
+
+def turn_figures(samples: list[Sample], host_of: Any) -> dict[str, Any]:
+    """One run's figures (see the module docstring)."""
     back, switched, stayed, warm, warm_store, partly = [], [], [], 0, 0, 0
-    for turns in by_user.values():
-        turns.sort(key=lambda s: s.turn)
+    for turns in conversations(samples):
         visited: set[int] = set()
         for prev, cur in itertools.pairwise(turns):
             if prev.error is None:
@@ -132,12 +137,8 @@ def failover_figures(
     lived on host 0 resumed warm on host 1."""
     failed = [s for s in samples if s.error is not None]
     not_started = [s for s in failed if s.ttft_s is None]
-    by_user: dict[int, list[Sample]] = {}
-    for s in samples:
-        by_user.setdefault(s.user, []).append(s)
     moved = warm = 0
-    for turns in by_user.values():
-        turns.sort(key=lambda s: s.turn)
+    for turns in conversations(samples):
         for prev, cur in itertools.pairwise(turns):
             if prev.error or cur.error or host_of(prev.served_by) != 0 or cur.sent_s < kill_s:
                 continue

@@ -158,7 +158,6 @@ class Fleet:
                 self.cfg.gateway_foreign_request_s,
                 self.ledger.step_s(name),
             )
-
             out.append(
                 Candidate(
                     name=name,
