@@ -27,6 +27,7 @@ not be used across ``fork()``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -70,10 +71,9 @@ class AlignedBuffer:
 
     def close(self) -> None:
         self.view.release()
-        try:
+        # A slice still referenced keeps the mapping open; it goes when the slice does.
+        with contextlib.suppress(BufferError):
             self._map.close()
-        except BufferError:
-            pass  # a slice is still referenced; the mapping goes when it does
 
 
 class _BouncePool:
