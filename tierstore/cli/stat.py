@@ -149,6 +149,17 @@ def format_stat(stat: dict[str, Any]) -> str:
                 c.get("peer_fetch_verify_failures", 0),
             )
         )
+        pulls = c.get("peer_pulls", 0)
+        lines.append(
+            "pulls     {} (mean {:.0f} ms, {:.0f} ms of it waiting on transfers here)  joined {}  "
+            "slow {}".format(
+                pulls,
+                c.get("peer_pull_ms", 0) / max(pulls, 1),
+                c.get("peer_pull_join_ms", 0) / max(pulls, 1),
+                c.get("peer_pulls_joined", 0),
+                c.get("peer_slow_pulls", 0),
+            )
+        )
         lines.append(
             "replicas  pushed {} blocks in {} pushes (errors {}, dropped {})  imported {}  "
             "rejected {}  held {}".format(

@@ -41,6 +41,7 @@ class PeerConfig:
     replica_bytes: int = 4 << 30  # space given to other hosts' replicas (alias: max_gib, in GiB)
     peer_lookup_timeout_s: float = 0.5  # deadline of a lookup across the group
     fetch_timeout_s: float = 30.0  # deadline of one transfer
+    slow_pull_s: float = 1.0  # a pull taking longer is counted and logged with its breakdown
     replicate_timeout_s: float = 20.0  # deadline of one replica push (below client timeouts)
     compression: str = "auto"  # auto | none | zstd: transfers over byte-split zstd
     max_transfers: int = 8  # concurrent outgoing transfers served
@@ -95,6 +96,7 @@ class PeerConfig:
             self,
             "peer_lookup_timeout_s",
             "fetch_timeout_s",
+            "slow_pull_s",
             "replicate_timeout_s",
             "watch_heartbeat_s",
             "membership_timeout_s",

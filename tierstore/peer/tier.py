@@ -59,7 +59,11 @@ PEER_COUNTERS = (
     "fetch_errors",  # transfers that failed before their deadline: refused, reset, bad stream
     "fetch_timeouts",  # transfers cut by their deadline: a peer or link that stalled
     "fetch_verify_failures",
-    "pulls_joined",  # pulls that waited for blocks another pull here was fetching
+    "pulls",  # pulls of a prefix this host lacked (an engine's load, a pre-positioning)
+    "pulls_joined",  # pulls that waited for blocks another pull or a replica import was fetching
+    "pull_ms",  # time spent in pulls, all of it: mean = pull_ms / pulls
+    "pull_join_ms",  # ... of which waiting for blocks another transfer here was fetching
+    "slow_pulls",  # pulls that took over slow_pull_s (each logged with where its time went)
     "pushes",
     "pushed_blocks",
     "push_errors",
@@ -68,6 +72,7 @@ PEER_COUNTERS = (
     *STREAM_COUNTERS,
     "replicas_imported",
     "replicas_rejected",
+    "replicas_joined",  # blocks an import left to a pull already fetching them
     "watchers",  # routers' WatchBlocks streams open now
     "watch_snapshots",  # snapshots sent (new watchers, and resyncs after a gap)
     "watch_refused",  # streams refused: max_watchers reached
@@ -100,7 +105,8 @@ class PeerTier:
             exclude=self_address,
         )
         self._codec_bytes_per_s = _measure_codec()
-        # The blocks pulls here are fetching now, and each one's pull (see ``pull``).
+        # The blocks a pull or a replica import here is fetching now, each with
+        # an event set when that transfer ends (see ``pull`` and ``_claim``).
         self._pulling: dict[BlockKey, threading.Event] = {}
         self._pulls_lock = threading.Lock()
         self.verifier = Verifier()  # received blocks are verified on every core
@@ -144,38 +150,78 @@ class PeerTier:
         """Fetch as much of the prefix ``keys`` as a peer holds, within
         ``timeout_s``. Returns how long a prefix of ``keys`` is held here now.
 
-        Blocks that another pull here is already fetching (a gateway's
-        pre-positioning, then the engine's own load of the same turn) are
-        waited for, within ``timeout_s``, instead of fetched a second time:
-        two receivers of one block would also contend for its slot."""
-        deadline = time.monotonic() + timeout_s
+        Blocks that another transfer here is already fetching (a gateway's
+        pre-positioning, then the engine's own load of the same turn; a
+        replica pushed while the turn was on its way) are waited for, within
+        ``timeout_s``, instead of fetched a second time: two receivers of one
+        block would also contend for its slot, and the second would read past
+        it and end with a shorter prefix than the peer held."""
+        started = time.monotonic()
+        deadline = started + timeout_s
         with self._pulls_lock:
             running = {self._pulling[k] for k in keys if k in self._pulling}
         if running:
             self.counters.add("pulls_joined")
             for event in running:
                 event.wait(max(deadline - time.monotonic(), 0.0))
+        joined = time.monotonic()
         have = _held_prefix(self.store.held(keys))
         rest = list(keys[have:])
         if not rest or time.monotonic() >= deadline:
+            self._pulled(started, joined, joined, len(keys), have, 0)
             return have
-        mine = threading.Event()
-        with self._pulls_lock:
-            claimed = [k for k in rest if k not in self._pulling]
-            for k in claimed:
-                self._pulling[k] = mine
+        mine, claimed = self._claim(rest)
+        looked = joined
+        got = 0
         try:
             lookup_s = min(deadline - time.monotonic(), self.cfg.peer_lookup_timeout_s)
             peer, hits = self.lookup(layout, rest, lookup_s)
-            if peer is None:
-                return have
-            return have + self._fetch(peer, layout, rest[:hits], deadline).received
+            looked = time.monotonic()
+            if peer is not None:
+                got = self._fetch(peer, layout, rest[:hits], deadline).received
+            return have + got
         finally:
-            with self._pulls_lock:
-                for k in claimed:
-                    if self._pulling.get(k) is mine:
-                        del self._pulling[k]
-            mine.set()
+            self._release(mine, claimed)
+            self._pulled(started, joined, looked, len(keys), have, got)
+
+    def _claim(self, keys: Sequence[BlockKey]) -> tuple[threading.Event, list[BlockKey]]:
+        """Register ``keys`` not claimed already as being fetched by the
+        caller's transfer; returns its event and the keys it claimed (the
+        caller fetches those and ``_release``s them, however it ends)."""
+        mine = threading.Event()
+        with self._pulls_lock:
+            claimed = [k for k in keys if k not in self._pulling]
+            for k in claimed:
+                self._pulling[k] = mine
+        return mine, claimed
+
+    def _release(self, mine: threading.Event, claimed: list[BlockKey]) -> None:
+        with self._pulls_lock:
+            for k in claimed:
+                if self._pulling.get(k) is mine:
+                    del self._pulling[k]
+        mine.set()
+
+    def _pulled(
+        self, started: float, joined: float, looked: float, asked: int, had: int, got: int
+    ) -> None:
+        """Count one pull's time; log where a slow one's went (rate-limited)."""
+        ended = time.monotonic()
+        total_s = ended - started
+        slow = total_s > self.cfg.slow_pull_s
+        self.counters.add_many({
+            "pulls": 1,
+            "pull_ms": round(total_s * 1000),
+            "pull_join_ms": round((joined - started) * 1000),
+            "slow_pulls": int(slow),
+        })  # fmt: skip
+        if slow:
+            _faults.warning(
+                "slow-pull",
+                "pull of %d blocks took %.2f s: %.2f s waiting for transfers here, "
+                "%.2f s lookup, %.2f s fetch; %d held before, %d fetched",
+                asked, total_s, joined - started, looked - joined, ended - looked, had, got,
+            )  # fmt: skip
 
     def _fetch(
         self, peer: PeerClient, layout: KVLayout, keys: list[BlockKey], deadline: float
@@ -296,6 +342,11 @@ class PeerTier:
         peer = self.clients.get(source)
         reserved = fits * layout.block_bytes
         committed: list[BlockKey] = []
+        # Blocks a pull here is fetching already are left to it; a pull that
+        # comes while this import runs waits for it (``pull``).
+        mine, claimed = self._claim(missing[:fits])
+        self.counters.add("replicas_joined", fits - len(claimed))
+        result = ReceiveResult()
         try:
             if peer is None:
                 # One kind for every unknown source: the name comes off the wire.
@@ -305,10 +356,12 @@ class PeerTier:
                     source,
                 )
                 return reply
-            result = self._fetch(peer, layout, missing[:fits], deadline)
-            committed = result.keys
-            reply.bytes = result.bytes
+            if claimed:
+                result = self._fetch(peer, layout, claimed, deadline)
+                committed = result.keys
+                reply.bytes = result.bytes
         finally:
+            self._release(mine, claimed)
             self.store.finish_replica_import(reserved, layout, committed)
             ledger.refresh(reversed(keys))
         self.counters.add("replicas_imported", len(committed))
