@@ -206,19 +206,13 @@ def run_mode(
         # Where the CPU went during the load (this machine's cores are shared by all).
         figures["cpu_s"] = {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1}
         figures["prompt_tokens_by_source"] = prompt_sources(fleet) if kill_at_s is None else {}
+        # Each sidecar's peer, data-channel and prefetch counters: where a
+        # moved turn's load spent its time (pulls, joins, slow pulls, refusals).
         figures["sidecar_counters"] = [
             {
                 k: v
                 for k, v in fleet.sidecar_counters(i).items()
-                if k.startswith(
-                    (
-                        "peer_fetched",
-                        "peer_prepositions",
-                        "peer_pulls",
-                        "peer_pushed",
-                        "prefetch_peer",
-                    )
-                )
+                if k.startswith(("peer_", "prefetch_")) and v
             }
             for i in range(len(fleet.sidecars))
         ]

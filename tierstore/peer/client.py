@@ -78,6 +78,8 @@ class PeerClient:
         self._stub = peer_pb2_grpc.PeerServiceStub(self._channel)
         self._ssl = client_ssl_context(cfg)
         self.link = RateMeter()  # fed by the peer tier with large raw transfers only
+        # ... and large compressed ones: uncompressed bytes delivered per second
+        self.packed = RateMeter()
         self.transfers = 0
 
     def lookup_future(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> Any:

@@ -295,6 +295,7 @@ class ReceiveResult:
     keys: list[BlockKey] = field(default_factory=list)  # those blocks, in order
     bytes: int = 0  # payload bytes read from the wire
     last_byte_at: float = 0.0  # time.monotonic() when the last payload byte arrived
+    reserve_s: float = 0.0  # reserving the arena slots (evicting to make room) before reading
     verify_failures: int = 0
     error: str = ""
 
@@ -312,7 +313,9 @@ def receive_blocks(
     are read and discarded. See module docstring."""
     owner = next(_owner_ids)
     result = ReceiveResult()
+    started = time.monotonic()
     reservations = {r.key: r for r in store.reserve(layout, keys, owner)}
+    result.reserve_s = time.monotonic() - started
     size = layout.block_bytes
     scratch: memoryview | None = None  # for blocks read and discarded: made on first use
     pending: deque[tuple[BlockKey, bytes, Future[bool]]] = deque()

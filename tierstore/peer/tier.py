@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -35,6 +36,7 @@ from tierstore.peer.clients import PeerClients
 from tierstore.peer.data import ReceiveResult, Verifier, receive_blocks
 from tierstore.peer.replicator import Push, Replicator
 from tierstore.peer.stream import STREAM_COUNTERS
+from tierstore.policies.compression import compress_transfer
 from tierstore.policies.replication import rendezvous_target
 from tierstore.ratelog import RateLimitedLog
 from tierstore.store.tiered import TieredStore
@@ -44,7 +46,7 @@ log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)  # per kind and peer: a flapping peer must not flood the log
 
 LINK_PROBE_MIN_BYTES = 16 << 20  # raw transfers at least this large measure the link
-LINK_REPROBE_EVERY = 8  # with compression on, every 8th transfer goes raw to re-measure
+LINK_REPROBE_EVERY = 8  # every 8th transfer re-measures the way not preferred now
 
 
 # A dead peer and a stalled one call for different fixes (restart it; look at
@@ -54,6 +56,7 @@ PEER_COUNTERS = (
     "lookup_errors",  # a peer refused, unreachable or reset (dead)
     "lookup_timeouts",  # a peer that did not answer by the deadline (stalled)
     "fetches",
+    "fetches_compressed",  # fetches over byte-split zstd (compression, or auto's choice)
     "fetched_blocks",
     "fetched_bytes",  # payload bytes on the wire (compressed where it was)
     "fetch_errors",  # transfers that failed before their deadline: refused, reset, bad stream
@@ -82,6 +85,16 @@ PEER_COUNTERS = (
 )
 
 
+@dataclass(slots=True, eq=False)
+class _Claim:
+    """One transfer into this host (a pull or a replica import) and the
+    blocks it claimed: others wait on ``done`` instead of fetching them."""
+
+    kind: str  # "pull" or "import"
+    started: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class PeerTier:
     """The group of peers. See the module docstring."""
 
@@ -105,9 +118,9 @@ class PeerTier:
             exclude=self_address,
         )
         self._codec_bytes_per_s = _measure_codec()
-        # The blocks a pull or a replica import here is fetching now, each with
-        # an event set when that transfer ends (see ``pull`` and ``_claim``).
-        self._pulling: dict[BlockKey, threading.Event] = {}
+        # The blocks a pull or a replica import here is fetching now, each
+        # with that transfer's claim (see ``pull`` and ``_claim``).
+        self._pulling: dict[BlockKey, _Claim] = {}
         self._pulls_lock = threading.Lock()
         self.verifier = Verifier()  # received blocks are verified on every core
         self.replicator = Replicator(
@@ -162,65 +175,65 @@ class PeerTier:
             running = {self._pulling[k] for k in keys if k in self._pulling}
         if running:
             self.counters.add("pulls_joined")
-            for event in running:
-                event.wait(max(deadline - time.monotonic(), 0.0))
-        joined = time.monotonic()
-        have = _held_prefix(self.store.held(keys))
-        rest = list(keys[have:])
+            for claim in running:
+                claim.done.wait(max(deadline - time.monotonic(), 0.0))
+        timing = _PullTiming(started, joined=time.monotonic(), asked=len(keys))
+        timing.joined_kinds = sorted({c.kind for c in running})
+        timing.had = _held_prefix(self.store.held(keys))
+        rest = list(keys[timing.had :])
         if not rest or time.monotonic() >= deadline:
-            self._pulled(started, joined, joined, len(keys), have, 0)
-            return have
-        mine, claimed = self._claim(rest)
-        looked = joined
-        got = 0
+            self._pulled(timing)
+            return timing.had
+        mine, claimed = self._claim(rest, "pull")
         try:
             lookup_s = min(deadline - time.monotonic(), self.cfg.peer_lookup_timeout_s)
             peer, hits = self.lookup(layout, rest, lookup_s)
-            looked = time.monotonic()
+            timing.looked = time.monotonic()
             if peer is not None:
-                got = self._fetch(peer, layout, rest[:hits], deadline).received
-            return have + got
+                result = self._fetch(peer, layout, rest[:hits], deadline)
+                timing.got, timing.reserve_s = result.received, result.reserve_s
+            return timing.had + timing.got
         finally:
             self._release(mine, claimed)
-            self._pulled(started, joined, looked, len(keys), have, got)
+            self._pulled(timing)
 
-    def _claim(self, keys: Sequence[BlockKey]) -> tuple[threading.Event, list[BlockKey]]:
+    def _claim(self, keys: Sequence[BlockKey], kind: str) -> tuple[_Claim, list[BlockKey]]:
         """Register ``keys`` not claimed already as being fetched by the
-        caller's transfer; returns its event and the keys it claimed (the
-        caller fetches those and ``_release``s them, however it ends)."""
-        mine = threading.Event()
+        caller's transfer; returns its claim and the keys it took (the caller
+        fetches those and ``_release``s them, however it ends)."""
+        mine = _Claim(kind)
         with self._pulls_lock:
             claimed = [k for k in keys if k not in self._pulling]
             for k in claimed:
                 self._pulling[k] = mine
         return mine, claimed
 
-    def _release(self, mine: threading.Event, claimed: list[BlockKey]) -> None:
+    def _release(self, mine: _Claim, claimed: list[BlockKey]) -> None:
         with self._pulls_lock:
             for k in claimed:
                 if self._pulling.get(k) is mine:
                     del self._pulling[k]
-        mine.set()
+        mine.done.set()
 
-    def _pulled(
-        self, started: float, joined: float, looked: float, asked: int, had: int, got: int
-    ) -> None:
+    def _pulled(self, t: _PullTiming) -> None:
         """Count one pull's time; log where a slow one's went (rate-limited)."""
         ended = time.monotonic()
-        total_s = ended - started
+        looked = t.looked or t.joined
+        total_s = ended - t.started
         slow = total_s > self.cfg.slow_pull_s
         self.counters.add_many({
             "pulls": 1,
             "pull_ms": round(total_s * 1000),
-            "pull_join_ms": round((joined - started) * 1000),
+            "pull_join_ms": round((t.joined - t.started) * 1000),
             "slow_pulls": int(slow),
         })  # fmt: skip
         if slow:
             _faults.warning(
                 "slow-pull",
-                "pull of %d blocks took %.2f s: %.2f s waiting for transfers here, "
-                "%.2f s lookup, %.2f s fetch; %d held before, %d fetched",
-                asked, total_s, joined - started, looked - joined, ended - looked, had, got,
+                "pull of %d blocks took %.2f s: %.2f s waiting for a %s here, %.2f s lookup, "
+                "%.2f s fetch (%.2f s of it reserving slots); %d held before, %d fetched",
+                t.asked, total_s, t.joined - t.started, "/".join(t.joined_kinds) or "transfer",
+                looked - t.joined, ended - looked, t.reserve_s, t.had, t.got,
             )  # fmt: skip
 
     def _fetch(
@@ -269,22 +282,33 @@ class PeerTier:
             )
         finally:
             conn.close()
-        # Only large raw transfers say how fast the link is: a small one is
-        # mostly connection set-up and would read as a slow link.
-        if not compress and result.bytes >= LINK_PROBE_MIN_BYTES:
-            peer.link.add(result.bytes, time.monotonic() - started)
+        # Only large transfers say how fast each way is: a small one is
+        # mostly connection set-up. Raw ones measure the link (the cost model's
+        # pull rate too), compressed ones what compression delivers.
+        seconds = time.monotonic() - started
+        delivered = result.received * layout.block_bytes
+        if compress and delivered >= LINK_PROBE_MIN_BYTES:
+            peer.packed.add(delivered, seconds)
+        elif not compress and result.bytes >= LINK_PROBE_MIN_BYTES:
+            peer.link.add(result.bytes, seconds)
         return result
 
     def _compress(self, peer: PeerClient, layout: KVLayout) -> bool:
-        """Compress only when it makes this transfer faster: when the link
-        measured to this peer is slower than compression on this host."""
+        """Compress only when it makes transfers from this peer faster
+        (``tierstore.policies.compression``)."""
         if self.cfg.compression == "none" or not codec.can_bytesplit(layout):
             return False
         if self.cfg.compression == "zstd":
             return True
-        if peer.transfers % LINK_REPROBE_EVERY == LINK_REPROBE_EVERY - 1:
-            return False  # keep the link estimate current
-        return 0 < peer.link.bytes_per_s < self._codec_bytes_per_s
+        compress = compress_transfer(
+            peer.link.bytes_per_s,
+            peer.packed.bytes_per_s,
+            self._codec_bytes_per_s,
+            probe=peer.transfers % LINK_REPROBE_EVERY == LINK_REPROBE_EVERY - 1,
+        )
+        if compress:
+            self.counters.add("fetches_compressed")
+        return compress
 
     # -- kv_share: the sending side (the replicator's) -----------------------------------
 
@@ -344,7 +368,7 @@ class PeerTier:
         committed: list[BlockKey] = []
         # Blocks a pull here is fetching already are left to it; a pull that
         # comes while this import runs waits for it (``pull``).
-        mine, claimed = self._claim(missing[:fits])
+        mine, claimed = self._claim(missing[:fits], "import")
         self.counters.add("replicas_joined", fits - len(claimed))
         result = ReceiveResult()
         try:
@@ -376,6 +400,20 @@ class PeerTier:
         self.replicator.close()
         self._peers.close()
         self.verifier.close()
+
+
+@dataclass(slots=True)
+class _PullTiming:
+    """Where one pull's time went (``PeerTier._pulled``); times are time.monotonic()."""
+
+    started: float
+    joined: float  # done waiting for transfers of the same blocks already running here
+    asked: int  # blocks asked for
+    joined_kinds: list[str] = field(default_factory=list)
+    looked: float = 0.0  # the lookup answered (0: no lookup)
+    had: int = 0  # held prefix once the joined transfers ended
+    got: int = 0  # blocks fetched
+    reserve_s: float = 0.0  # of the fetch: reserving slots (evicting to make room)
 
 
 def _timed_out(e: BaseException | None, deadline: float) -> bool:

@@ -10,7 +10,9 @@
   target of kv_share's pushes), whether a push is made (``KvShareRule``,
   ``HeadroomRule``), and which replicas leave DRAM first (``ReplicaRetention``);
 - ``remote``: what the remote tier receives (``RemotePlacement``) and what
-  its garbage collection deletes (``remote_gc_victims``).
+  its garbage collection deletes (``remote_gc_victims``);
+- ``compression``: whether a peer transfer is compressed
+  (``compress_transfer``), from the rates measured each way.
 
 Each kind has a ``make_*`` factory by config name where the config picks one.
 The tier or service that owns a policy serialises every call (its own lock):

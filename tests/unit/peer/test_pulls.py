@@ -15,7 +15,7 @@ from tierstore.config.peer import PeerConfig
 from tierstore.config.store import StoreConfig
 from tierstore.keys import chain_keys
 from tierstore.peer.data import ReceiveResult
-from tierstore.peer.tier import PeerTier
+from tierstore.peer.tier import PeerTier, _Claim
 from tierstore.store.tiered import TieredStore
 
 from ...conftest import SMALL_LAYOUT as L
@@ -171,8 +171,8 @@ def test_negative_control_without_the_claim_the_pull_fetches_again(
         claim = tier._claim
         registered = iter([False, True])  # the import's claim not registered, the pull's is
 
-        def forgetful(ks: Any) -> tuple[threading.Event, list[Any]]:
-            return claim(ks) if next(registered) else (threading.Event(), list(ks))
+        def forgetful(ks: Any, kind: str) -> tuple[Any, list[Any]]:
+            return claim(ks, kind) if next(registered) else (_Claim(kind), list(ks))
 
         tier._claim = forgetful  # type: ignore[method-assign]
         _import_then_pull(tier, transfers, keys)
