@@ -81,6 +81,7 @@ class PeerClient:
         # ... and large compressed ones: uncompressed bytes delivered per second
         self.packed = RateMeter()
         self.transfers = 0
+        self.background_transfers = 0  # of them, replica imports (the peer tier's probes)
 
     def lookup_future(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> Any:
         req = peer_pb2.PeerKeysRequest(layout=layout_to_proto(layout), keys=pack_keys(keys))

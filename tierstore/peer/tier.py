@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)  # per kind and peer: a flapping peer must not flood the log
 
 LINK_PROBE_MIN_BYTES = 16 << 20  # raw transfers at least this large measure the link
-LINK_REPROBE_EVERY = 8  # every 8th transfer re-measures the way not preferred now
+LINK_REPROBE_EVERY = 8  # every 8th replica import re-times the way not preferred now
 
 
 # A dead peer and a stalled one call for different fixes (restart it; look at
@@ -190,7 +190,7 @@ class PeerTier:
             peer, hits = self.lookup(layout, rest, lookup_s)
             timing.looked = time.monotonic()
             if peer is not None:
-                result = self._fetch(peer, layout, rest[:hits], deadline)
+                result = self._fetch(peer, layout, rest[:hits], deadline, background=False)
                 timing.got, timing.reserve_s = result.received, result.reserve_s
             return timing.had + timing.got
         finally:
@@ -237,11 +237,19 @@ class PeerTier:
             )  # fmt: skip
 
     def _fetch(
-        self, peer: PeerClient, layout: KVLayout, keys: list[BlockKey], deadline: float
+        self,
+        peer: PeerClient,
+        layout: KVLayout,
+        keys: list[BlockKey],
+        deadline: float,
+        background: bool,
     ) -> ReceiveResult:
+        """``background``: no request waits on this transfer (a replica
+        import): it may re-time the way of transferring not in use."""
         self.counters.add("fetches")
+        compress = self._compress(peer, layout, background)
         try:
-            result = self._receive(peer, layout, keys, deadline, self._compress(peer, layout))
+            result = self._receive(peer, layout, keys, deadline, compress)
         except (grpc.RpcError, OSError) as e:
             self.counters.add("fetch_timeouts" if _timed_out(e, deadline) else "fetch_errors")
             _faults.warning(
@@ -293,18 +301,21 @@ class PeerTier:
             peer.link.add(result.bytes, seconds)
         return result
 
-    def _compress(self, peer: PeerClient, layout: KVLayout) -> bool:
+    def _compress(self, peer: PeerClient, layout: KVLayout, background: bool) -> bool:
         """Compress only when it makes transfers from this peer faster
-        (``tierstore.policies.compression``)."""
+        (``tierstore.policies.compression``). Only transfers no request waits
+        on re-time the way not preferred: a probe of the slower way on an
+        engine's load cost a moved turn seconds."""
         if self.cfg.compression == "none" or not codec.can_bytesplit(layout):
             return False
         if self.cfg.compression == "zstd":
             return True
+        probe = False
+        if background:
+            peer.background_transfers += 1
+            probe = peer.background_transfers % LINK_REPROBE_EVERY == 0
         compress = compress_transfer(
-            peer.link.bytes_per_s,
-            peer.packed.bytes_per_s,
-            self._codec_bytes_per_s,
-            probe=peer.transfers % LINK_REPROBE_EVERY == LINK_REPROBE_EVERY - 1,
+            peer.link.bytes_per_s, peer.packed.bytes_per_s, self._codec_bytes_per_s, probe
         )
         if compress:
             self.counters.add("fetches_compressed")
@@ -381,7 +392,7 @@ class PeerTier:
                 )
                 return reply
             if claimed:
-                result = self._fetch(peer, layout, claimed, deadline)
+                result = self._fetch(peer, layout, claimed, deadline, background=True)
                 committed = result.keys
                 reply.bytes = result.bytes
         finally:

@@ -4,9 +4,19 @@ the codec's idle speed only says whether it is worth trying."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import SimpleNamespace
+
 import pytest
 
+from tierstore.config.peer import PeerConfig
+from tierstore.config.store import StoreConfig
+from tierstore.load import RateMeter
+from tierstore.peer.tier import PeerTier
 from tierstore.policies.compression import compress_transfer
+from tierstore.store.tiered import TieredStore
+
+from ...conftest import SMALL_LAYOUT as L
 
 CODEC = 1e9  # this host's byte-split zstd at start, bytes/s
 
@@ -40,3 +50,22 @@ def test_a_slow_compressed_transfer_turns_compression_off_for_the_next_ones() ->
     packed = 3e7  # what that compressed transfer delivered
     choices = [compress_transfer(raw, packed, CODEC, probe=i % 8 == 7) for i in range(8)]
     assert choices == [False] * 7 + [True]
+
+
+def test_only_replica_imports_re_time_the_slower_way(
+    store_config: Callable[..., StoreConfig],
+) -> None:
+    """An engine's load never pays for a probe: with compression timed
+    slower than raw, pulls stay raw; every 8th import re-times compression."""
+    with TieredStore(store_config()) as store:
+        tier = PeerTier(store, PeerConfig(peer_port=7700, peer_token="t"), "me:1")
+        tier._codec_bytes_per_s = CODEC
+        peer = SimpleNamespace(link=RateMeter(), packed=RateMeter(), background_transfers=0)
+        peer.link.add(200 << 20, 1.0)  # a slow raw link: compression worth trying
+        peer.packed.add(30 << 20, 1.0)  # ... and timed slower still
+        pulls = [tier._compress(peer, L, background=False) for _ in range(16)]  # type: ignore[arg-type]
+        imports = [tier._compress(peer, L, background=True) for _ in range(16)]  # type: ignore[arg-type]
+        assert pulls == [False] * 16
+        assert imports == ([False] * 7 + [True]) * 2
+        assert tier.counters.snapshot()["fetches_compressed"] == 2
+        tier.close()

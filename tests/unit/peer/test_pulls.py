@@ -30,7 +30,9 @@ def test_a_second_pull_of_the_same_prefix_joins_the_first(
         fetching, release = threading.Event(), threading.Event()
         fetched: list[int] = []
 
-        def fetch(peer: Any, layout: Any, ks: list[Any], deadline: float) -> ReceiveResult:
+        def fetch(
+            peer: Any, layout: Any, ks: list[Any], deadline: float, background: bool
+        ) -> ReceiveResult:
             fetching.set()
             release.wait(10)
             store.put(layout, ks, np.zeros((len(ks), L.block_bytes), dtype=np.uint8))
@@ -82,7 +84,9 @@ class _Transfers:
         self.release = threading.Event()
         self.sizes: list[int] = []
 
-    def __call__(self, peer: Any, layout: Any, ks: list[Any], deadline: float) -> ReceiveResult:
+    def __call__(
+        self, peer: Any, layout: Any, ks: list[Any], deadline: float, background: bool
+    ) -> ReceiveResult:
         if not self.started.is_set():
             self.started.set()
             self.release.wait(10)
