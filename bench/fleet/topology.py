@@ -175,9 +175,10 @@ class Fleet:
         transfer = None
         if self.mode.store:
             transfer = kv_transfer_config(self.sidecars[i].socket, include_peers=True)
+        prefix = [*self.net.prefix(i), "nice", "-n", str(ENGINE_NICE)]
         cm = openai_server(
             self.model, self.root / f"engine{i}.log", host=self.net.addr[i], port=ENGINE_PORT,
-            prefix=[*self.net.prefix(i), "nice", "-n", str(ENGINE_NICE)], block=BLOCK_TOKENS, max_model_len=self.sizing.max_model_len,
+            prefix=prefix, block=BLOCK_TOKENS, max_model_len=self.sizing.max_model_len,
             transfer=transfer, events_port=EVENTS_PORT if self.mode.events else 0,
             env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))},
             extra=("--kv-cache-memory-bytes", str(self.sizing.kv_cache_bytes)),

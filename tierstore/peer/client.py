@@ -4,7 +4,7 @@ its engines registered.
 
 Every call carries the group token and a deadline. Used by the sidecar's peer
 tier and by the router (which needs no store: this module imports none).
-Thread-safe: gRPC stubs are; ``transfers`` is a statistic.
+Thread-safe: gRPC stubs are; ``background_transfers`` is a statistic.
 """
 
 from __future__ import annotations
@@ -78,10 +78,9 @@ class PeerClient:
         self._stub = peer_pb2_grpc.PeerServiceStub(self._channel)
         self._ssl = client_ssl_context(cfg)
         self.link = RateMeter()  # fed by the peer tier with large raw transfers only
-        # ... and large compressed ones: uncompressed bytes delivered per second
+        # ... and every compressed one: uncompressed bytes delivered per second
         self.packed = RateMeter()
-        self.transfers = 0
-        self.background_transfers = 0  # of them, replica imports (the peer tier's probes)
+        self.background_transfers = 0  # replica imports from this peer (the peer tier's probes)
 
     def lookup_future(self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float) -> Any:
         req = peer_pb2.PeerKeysRequest(layout=layout_to_proto(layout), keys=pack_keys(keys))
@@ -139,7 +138,6 @@ class PeerClient:
         except BaseException:
             conn.close()
             raise
-        self.transfers += 1
         return min(reply.num_blocks, len(keys)), conn
 
     def replicate(

@@ -56,7 +56,7 @@ PEER_COUNTERS = (
     "lookup_errors",  # a peer refused, unreachable or reset (dead)
     "lookup_timeouts",  # a peer that did not answer by the deadline (stalled)
     "fetches",
-    "fetches_compressed",  # fetches over byte-split zstd (compression, or auto's choice)
+    "fetches_compressed",  # fetches over byte-split zstd (compression = zstd, or auto's choice)
     "fetched_blocks",
     "fetched_bytes",  # payload bytes on the wire (compressed where it was)
     "fetch_errors",  # transfers that failed before their deadline: refused, reset, bad stream
@@ -91,7 +91,6 @@ class _Claim:
     blocks it claimed: others wait on ``done`` instead of fetching them."""
 
     kind: str  # "pull" or "import"
-    started: float = field(default_factory=time.monotonic)
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -246,8 +245,8 @@ class PeerTier:
     ) -> ReceiveResult:
         """``background``: no request waits on this transfer (a replica
         import): it may re-time the way of transferring not in use."""
-        self.counters.add("fetches")
         compress = self._compress(peer, layout, background)
+        self.counters.add_many({"fetches": 1, "fetches_compressed": int(compress)})
         try:
             result = self._receive(peer, layout, keys, deadline, compress)
         except (grpc.RpcError, OSError) as e:
@@ -316,12 +315,9 @@ class PeerTier:
         if background:
             peer.background_transfers += 1
             probe = peer.background_transfers % LINK_REPROBE_EVERY == 0
-        compress = compress_transfer(
+        return compress_transfer(
             peer.link.bytes_per_s, peer.packed.bytes_per_s, self._codec_bytes_per_s, probe
         )
-        if compress:
-            self.counters.add("fetches_compressed")
-        return compress
 
     # -- kv_share: the sending side (the replicator's) -----------------------------------
 

@@ -4,14 +4,17 @@ the codec's idle speed only says whether it is worth trying."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from tierstore.config.peer import PeerConfig
 from tierstore.config.store import StoreConfig
 from tierstore.load import RateMeter
+from tierstore.peer.data import ReceiveResult
 from tierstore.peer.tier import PeerTier
 from tierstore.policies.compression import compress_transfer
 from tierstore.store.tiered import TieredStore
@@ -63,8 +66,17 @@ def test_only_replica_imports_re_time_the_slower_way(
         peer = SimpleNamespace(link=RateMeter(), packed=RateMeter(), background_transfers=0)
         peer.link.add(200 << 20, 1.0)  # a slow raw link: compression worth trying
         peer.packed.add(30 << 20, 1.0)  # ... and timed slower still
-        pulls = [tier._compress(peer, L, background=False) for _ in range(16)]  # type: ignore[arg-type]
-        imports = [tier._compress(peer, L, background=True) for _ in range(16)]  # type: ignore[arg-type]
+        asked: list[bool] = []
+
+        def receive(peer: Any, layout: Any, keys: Any, deadline: float, compress: bool) -> Any:
+            asked.append(compress)
+            return ReceiveResult()
+
+        tier._receive = receive  # type: ignore[method-assign]
+        for background in (False, True):
+            for _ in range(16):
+                tier._fetch(peer, L, [], time.monotonic() + 1, background)  # type: ignore[arg-type]
+        pulls, imports = asked[:16], asked[16:]
         assert pulls == [False] * 16
         assert imports == ([False] * 7 + [True]) * 2
         assert tier.counters.snapshot()["fetches_compressed"] == 2
