@@ -23,6 +23,8 @@ from tierstore.cli.ports import free_port
 from tierstore.v1 import etcd_rpc_pb2 as pb
 from tierstore.v1 import etcd_rpc_pb2_grpc as pb_grpc
 
+from .reaper import forget_process, watch_process
+
 MISSING = "etcd is not installed (apt-get install etcd-server; .ci/run does)"
 
 
@@ -91,6 +93,7 @@ class EtcdProcess:
             ],
             stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
+        watch_process(self.proc.pid)
         log.close()
         deadline = time.monotonic() + timeout_s
         with self.channel() as ch:
@@ -133,6 +136,7 @@ class EtcdProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+            forget_process(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -142,4 +146,5 @@ class EtcdProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+            forget_process(self.proc.pid)
         shutil.rmtree(self.data_dir, ignore_errors=True)

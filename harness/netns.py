@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from .reaper import forget_netns, watch_netns
+
 CLONE_NEWNET = 0x40000000
 _networks = itertools.count()  # networks made by this process
 COMMAND_TIMEOUT_S = 20.0
@@ -63,6 +65,7 @@ def tc(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[s
 def add_namespace(name: str) -> None:
     """A new network namespace with its loopback up."""
     ip("netns", "add", name)
+    watch_netns(name)
     try:
         ip("-n", name, "link", "set", "lo", "up")
     except RuntimeError:
@@ -73,6 +76,7 @@ def add_namespace(name: str) -> None:
 def delete_namespace(name: str) -> None:
     """Remove ``name`` (and the devices in it, each veth's peer with it); no error if gone."""
     ip("netns", "del", name, check=False)
+    forget_netns(name)
 
 
 def enter_netns(ns: str) -> None:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from tierstore.cli.ports import free_port
 
+from .reaper import forget_process, watch_process
+
 ACCESS_KEY = "tierstore-test"
 SECRET_KEY = "tierstore-test-secret"
 
@@ -73,6 +75,7 @@ class SeaweedFS:
         self.proc = subprocess.Popen(
             args, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        watch_process(self.proc.pid, group=True)
         deadline = time.monotonic() + timeout_s
         while not self._answers():
             if self.proc.poll() is not None:
@@ -124,6 +127,7 @@ class SeaweedFS:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        forget_process(self.proc.pid)
         self.log.close()
         self.proc = None
 

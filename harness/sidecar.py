@@ -33,6 +33,7 @@ from tierstore.keys import KVLayout, chain_keys
 from tierstore.v1 import local_pb2, local_pb2_grpc
 
 from . import REPO, child_env
+from .reaper import forget_process, watch_process
 
 if TYPE_CHECKING:
     from tierstore.client import StoreClient
@@ -140,6 +141,7 @@ class SidecarProcess:
                 stderr=subprocess.STDOUT, preexec_fn=preexec,
             )  # fmt: skip
         self.procs.append(proc)
+        watch_process(proc.pid)
         return self.wait_serving(timeout_s) if wait else 0.0
 
     def alive(self) -> bool:
@@ -200,6 +202,7 @@ class SidecarProcess:
         """SIGKILL and reap; leaves the arena behind, as a real crash does. Returns the pid."""
         self.proc.kill()
         self.proc.wait(STOP_TIMEOUT_S)
+        forget_process(self.proc.pid)
         return self.proc.pid
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
@@ -214,6 +217,8 @@ class SidecarProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(STOP_TIMEOUT_S)
+        if self.procs:
+            forget_process(self.proc.pid)
         for proc in self.procs:
             if proc.returncode is not None and proc.returncode < 0:
                 remove_arenas(proc.pid)

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tierstore.cli.ports import free_port
 
 from . import REPO, child_env
+from .reaper import forget_process, watch_process
 
 BLOCK = 128
 START_S = 300.0
@@ -72,6 +73,7 @@ def http_server(
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
+    watch_process(proc.pid, group=True)
     try:
         deadline = time.monotonic() + start_s
         while True:
@@ -91,6 +93,7 @@ def http_server(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(stop_s)
+        forget_process(proc.pid)
 
 
 @contextlib.contextmanager

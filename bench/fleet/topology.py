@@ -38,6 +38,7 @@ from typing import Any
 from harness import REPO, child_env
 from harness.etcd import EtcdProcess
 from harness.netns import Network, Shape
+from harness.reaper import forget_process, watch_process
 from harness.sidecar import SidecarProcess, remove_arenas
 from harness.vllm_server import Server, http, openai_server
 from tierstore.cli.ports import free_port
@@ -215,6 +216,7 @@ class Fleet:
             cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
+        watch_process(self._gateway.pid, group=True)
         self.stack.callback(self._stop_gateway)
         self.gateway_url = f"http://127.0.0.1:{port}"
         self._wait_gateway()
@@ -255,6 +257,7 @@ class Fleet:
         except subprocess.TimeoutExpired:
             self._gateway.kill()
             self._gateway.wait(30)
+        forget_process(self._gateway.pid)
 
     # -- during a run ----------------------------------------------------------------------
 

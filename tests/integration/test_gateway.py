@@ -14,11 +14,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from harness.fake_engine import FakeEngine
 from harness.gateway import GatewayServer, LoopThread
 from tierstore.config import Config
 from tierstore.config.gateway import GatewayConfig
-
-from harness.fake_engine import FakeEngine
 
 TIMEOUT = aiohttp.ClientTimeout(total=30)
 

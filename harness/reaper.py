@@ -1,0 +1,227 @@
+"""Nothing a test or benchmark starts outlives it, even when it is SIGKILLed
+(the OOM killer), which runs no ``finally`` block.
+
+Provides ``watch_process`` (a child, or its whole process group),
+``watch_netns`` (a network namespace), ``forget_process`` / ``forget_netns``
+(stopped by their owner: nothing left to do), and the reaper itself
+(``main``, run as ``python -m harness.reaper``).
+
+The first watch starts the reaper: a child in a session of its own whose
+stdin is a pipe from this process, which writes one line per watch and per
+forget. The kernel closes that pipe when this process exits, however it
+exits, and the reaper then cleans up what is still watched, in order:
+
+1. the processes: each watched pid whose start time is still the one
+   recorded (a pid reused since is never touched), and every member of each
+   watched process group (engines, SeaweedFS and the gateway are started as
+   group leaders: an engine's core and workers go with it). Before any
+   signal it notes the /dev/shm files they hold open or mapped. SIGTERM,
+   ``GRACE_S`` to exit, then SIGKILL;
+2. the namespaces still there (``ip netns del``);
+3. the /dev/shm files those processes held (a sidecar's arena, an engine's
+   queues and semaphores), once no live process holds them.
+
+What it did, if anything, goes to ``tierstore-reaper-<harness pid>.log`` in
+the temporary directory (the harness's stderr may be gone with it).
+``HARNESS_REAPER=0`` (not ``TIERSTORE_``: those are the sidecar's settings)
+turns watching off: the control that shows what is left without it
+(tests/reliability/test_reaper.py). The harness side is thread-safe; a
+forked child that watches something starts a reaper of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from . import REPO, child_env
+
+SHM = Path("/dev/shm")
+GRACE_S = 5.0  # SIGTERM to SIGKILL
+KILL_WAIT_S = 5.0  # SIGKILL to gone
+POLL_S = 0.05
+
+_lock = threading.Lock()
+_reaper: subprocess.Popen[bytes] | None = None
+_reaper_owner = -1  # the pid that started _reaper (a forked child needs its own)
+
+
+# -- the harness's side ---------------------------------------------------------------
+
+
+def _enabled() -> bool:
+    return os.environ.get("HARNESS_REAPER", "1") != "0"
+
+
+def _send(line: str) -> None:
+    global _reaper, _reaper_owner
+    if not _enabled():
+        return
+    with _lock:
+        if _reaper is None or _reaper_owner != os.getpid():
+            log = Path(tempfile.gettempdir()) / f"tierstore-reaper-{os.getpid()}.log"
+            _reaper = subprocess.Popen(
+                [sys.executable, "-m", "harness.reaper", str(log)], cwd=REPO, env=child_env(),
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+            _reaper_owner = os.getpid()
+        assert _reaper.stdin is not None
+        try:
+            _reaper.stdin.write(f"{line}\n".encode())
+            _reaper.stdin.flush()
+        except BrokenPipeError:
+            raise RuntimeError(
+                f"the harness's reaper (pid {_reaper.pid}) exited {_reaper.poll()}: what this "
+                "process starts would outlive it"
+            ) from None
+
+
+def start_time(pid: int) -> int:
+    """The process's start time in clock ticks since boot (0: no such process,
+    or a zombie: it has exited and holds nothing)."""
+    fields = _stat_fields(pid)
+    return 0 if fields is None or fields[0] == "Z" else int(fields[19])
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command's name: state, ppid, pgrp, ..."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def watch_process(pid: int, group: bool = False) -> None:
+    """Reap ``pid`` (with ``group``: every process of the group it leads)."""
+    _send(f"proc {pid} {start_time(pid)} {int(group)}")
+
+
+def forget_process(pid: int) -> None:
+    _send(f"forget-proc {pid}")
+
+
+def watch_netns(name: str) -> None:
+    _send(f"netns {name}")
+
+
+def forget_netns(name: str) -> None:
+    _send(f"forget-netns {name}")
+
+
+# -- the reaper -------------------------------------------------------------------
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _members(procs: dict[int, tuple[int, bool]]) -> set[int]:
+    """The live processes watched: pids with their recorded start time, and
+    every member of the watched groups."""
+    groups = {pid for pid, (_, group) in procs.items() if group}
+    found = {pid for pid, (start, _) in procs.items() if start and start_time(pid) == start}
+    if groups:
+        for pid in _all_pids():
+            fields = _stat_fields(pid)
+            if fields is not None and fields[0] != "Z" and int(fields[2]) in groups:
+                found.add(pid)
+    return found
+
+
+def _shm_held(pids: set[int] | None) -> set[Path]:
+    """The /dev/shm files open or mapped by ``pids`` (None: by any process)."""
+    held: set[Path] = set()
+    prefix = f"{SHM}/"
+    for pid in _all_pids() if pids is None else pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(prefix):
+                        held.add(Path(target))
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            for line in maps:
+                at = line.find(prefix)
+                if at >= 0:
+                    held.add(Path(line[at:].rstrip("\n").removesuffix(" (deleted)")))
+    return held
+
+
+def _signal(procs: dict[int, tuple[int, bool]], members: set[int], sig: int) -> None:
+    """``sig`` to each watched group, and to each watched pid still in ``members``."""
+    for pid, (_, group) in procs.items():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if group:
+                os.killpg(pid, sig)
+            elif pid in members:
+                os.kill(pid, sig)
+
+
+def _wait_gone(procs: dict[int, tuple[int, bool]], timeout_s: float) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := _members(procs)) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    return left
+
+
+def reap(procs: dict[int, tuple[int, bool]], netns: set[str]) -> list[str]:
+    """Stop what is watched and remove what it leaves; returns what was done."""
+    done: list[str] = []
+    members = _members(procs)
+    shm = _shm_held(members)
+    if members:
+        _signal(procs, members, signal.SIGTERM)
+        left = _wait_gone(procs, GRACE_S)
+        if left:
+            _signal(procs, left, signal.SIGKILL)
+            left = _wait_gone(procs, KILL_WAIT_S)
+        done.append(f"stopped {sorted(members)}" + (f"; alive still: {sorted(left)}" * bool(left)))
+    for name in sorted(netns):
+        if Path(f"/run/netns/{name}").exists():
+            out = subprocess.run(
+                ["ip", "netns", "del", name], capture_output=True, text=True, timeout=20
+            )
+            failed = f" failed: {out.stderr.strip()}" if out.returncode else ""
+            done.append(f"netns {name} deleted{failed}")
+    if shm:
+        still = _shm_held(None)
+        for path in sorted(shm - still):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                done.append(f"removed {path}")
+    return done
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the pipe's end stops it
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    procs: dict[int, tuple[int, bool]] = {}
+    netns: set[str] = set()
+    for line in sys.stdin:
+        verb, *args = line.split()
+        if verb == "proc":
+            procs[int(args[0])] = (int(args[1]), args[2] == "1")
+        elif verb == "forget-proc":
+            procs.pop(int(args[0]), None)
+        elif verb == "netns":
+            netns.add(args[0])
+        elif verb == "forget-netns":
+            netns.discard(args[0])
+    done = reap(procs, netns) if procs or netns else []
+    if done:
+        with open(sys.argv[1], "a") as log:
+            for entry in done:
+                log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {entry}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Nothing a harness starts outlives it when it is SIGKILLed (the OOM case):
+``harness.reaper``.
+
+A harness process (tests/reliability/reaper_child.py) makes two network
+namespaces, a sidecar in one (its arena in /dev/shm) and a process group
+holding a /dev/shm file, then is SIGKILLed. Proved: within a bounded wait no
+process it started is alive, neither namespace exists and no /dev/shm file
+of theirs is left. The control runs the same child with the reaper off and
+finds all three kinds left behind (then removes them itself), so the check
+fails when nothing cleans up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness import REPO, child_env
+from harness.netns import delete_namespace
+from harness.reaper import start_time
+
+READY_S = 60.0
+REAPED_S = 30.0  # the reaper's grace and kill waits are 5 s each
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes network namespaces: needs root")
+
+
+def start_child(tmp_path: Path, reaper: bool) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    env = dict(child_env(), HARNESS_REAPER="1" if reaper else "0")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.reliability.reaper_child", str(tmp_path)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], READY_S)
+    line = proc.stdout.readline() if ready else b""
+    if not line:
+        proc.kill()
+        proc.wait(10)
+        raise AssertionError(f"the harness child made nothing in {READY_S} s (exit {proc.poll()})")
+    made = json.loads(line)
+    made["starts"] = {pid: start_time(pid) for pid in made["pids"]}
+    return proc, made
+
+
+def left(made: dict[str, Any]) -> dict[str, list[Any]]:
+    """What the child made that still exists, by kind."""
+    return {
+        "processes": [p for p, t in made["starts"].items() if t and start_time(p) == t],
+        "netns": [n for n in made["netns"] if os.path.exists(f"/run/netns/{n}")],
+        "shm": [f for f in made["shm"] if os.path.exists(f)],
+    }
+
+
+def kill_harness(proc: subprocess.Popen[bytes]) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def test_nothing_outlives_a_sigkilled_harness(tmp_path: Path) -> None:
+    proc, made = start_child(tmp_path, reaper=True)
+    before = left(made)
+    assert all(before.values()), f"the child did not make all three kinds: {before}"
+    assert len(made["shm"]) >= 2  # the sidecar's arena and the group's file
+    kill_harness(proc)
+    deadline = time.monotonic() + REAPED_S
+    while any((now := left(made)).values()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(now.values()), f"left behind {REAPED_S} s after the kill: {now}"
+
+
+def test_the_control_without_the_reaper_leaves_them(tmp_path: Path) -> None:
+    proc, made = start_child(tmp_path, reaper=False)
+    try:
+        kill_harness(proc)
+        time.sleep(2.0)
+        now = left(made)
+        assert now["processes"] and now["netns"] and now["shm"], now
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(made["group"], signal.SIGKILL)
+        for pid in left(made)["processes"]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while left(made)["processes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for name in made["netns"]:
+            delete_namespace(name)
+        for path in made["shm"]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
