@@ -31,7 +31,8 @@ class RemoteConfig:
     remote_min_tokens: int = 8192  # turns this long are written through at EndTurn
     remote_upload_queue_bytes: int = 256 << 20  # upload copies waiting or in flight
     remote_upload_concurrency: int = 8  # uploads in flight
-    remote_write_through_queue_turns: int = 64  # finished turns waiting to be written through
+    remote_write_through_queue_turns: int = 64  # turns waiting to be written through, per lane
+    # (durable EndTurns, taken first; background write-throughs)
     remote_read_depth: int = 8  # GETs in flight while one request pulls blocks
     remote_lookup_concurrency: int = 64  # HEADs in flight in one lookup wave
     remote_lookup_window_blocks: int = 64  # blocks probed past the last manifest per wave

@@ -17,6 +17,14 @@ Every upload is a HEAD (content-addressed: present means done), then a
 PUT, at most ``remote_upload_concurrency`` at a time, retried with backoff
 for up to ``remote_upload_give_up_s`` while the tier is open.
 
+Priorities: a durable EndTurn waits seconds at most, so nothing queued in
+the background may stand in front of it. Durable turns have their own lane
+of the write-through queue, taken before the background turns' lane (each
+lane holds ``remote_write_through_queue_turns``), and a write-through's
+uploads pass every write-back copy waiting for a place (``PriorityGate``).
+Found by bench/reliability/faults.py: with DRAM churning, tens of thousands
+of write-back copies queued, and every durable EndTurn ran out of time.
+
 It gets its collaborators explicitly (the S3 client, the tier's counters,
 the answers cache, the last-use record, the tier's ``contains``) and calls
 nothing else of the tier. Threads: ``offer``, ``queue_turn`` and ``flush``
@@ -29,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
+import itertools
 import queue
 import threading
 import time
@@ -41,6 +49,7 @@ from tierstore.keys import BlockKey, KVLayout
 from tierstore.store.remote import format as fmt
 from tierstore.store.remote.cache import Answers, LastUse
 from tierstore.store.remote.client import ClientClosed, RemoteClient
+from tierstore.store.remote.gate import PriorityGate
 from tierstore.store.remote.turns import TURN_COUNTERS, Durability, TurnJob, TurnLedger
 from tierstore.workers import Workers
 
@@ -84,8 +93,13 @@ class RemoteUploader:
         self._queued_bytes = 0
         self._pending = 0  # uploads queued or running, plus write-through jobs
         self._closed = False
-        self._sem: asyncio.Semaphore | None = None  # made and used on the loop thread only
-        self._jobs: queue.Queue[TurnJob | None] = queue.Queue(cfg.remote_write_through_queue_turns)
+        self._gate: PriorityGate | None = None  # made and used on the loop thread only
+        # Turns to write through, durable ones first (lane 0), each lane bounded
+        # by remote_write_through_queue_turns (``_lanes``); the stop signal (lane
+        # -1) always fits and comes before both.
+        self._jobs: queue.PriorityQueue[tuple[int, int, TurnJob | None]] = queue.PriorityQueue()
+        self._lanes = [0, 0]  # jobs waiting: durable, background (under _cond)
+        self._seq = itertools.count()
         self.turns = TurnLedger(counters)
         self._writer = workers.start("tierstore-remote-writer", self._write_loop)
 
@@ -145,26 +159,27 @@ class RemoteUploader:
             self._cond.notify_all()
 
     def _start_upload(
-        self, path: str, key: BlockKey, buf: bytearray | bytes
+        self, path: str, key: BlockKey, buf: bytearray | bytes, urgent: bool = False
     ) -> concurrent.futures.Future[bool]:
         try:
-            return self.client.submit(self._upload(path, key, buf))
+            return self.client.submit(self._upload(path, key, buf, urgent))
         except ClientClosed:  # closed meanwhile
             self._upload_done(len(buf))
             fut: concurrent.futures.Future[bool] = concurrent.futures.Future()
             fut.set_result(False)
             return fut
 
-    async def _upload(self, path: str, key: BlockKey, buf: bytearray | bytes) -> bool:
+    async def _upload(self, path: str, key: BlockKey, buf: bytearray | bytes, urgent: bool) -> bool:
         """HEAD first (content-addressed: present means done), then PUT;
-        failures retry with backoff while the tier is open."""
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.cfg.remote_upload_concurrency)
-        sem = self._sem
+        failures retry with backoff while the tier is open. ``urgent`` (a
+        turn's write-through) goes before every write-back copy waiting."""
+        if self._gate is None:
+            self._gate = PriorityGate(self.cfg.remote_upload_concurrency)
+        gate = self._gate
         backoff, first = self.cfg.remote_upload_backoff_s, time.monotonic()
         try:
             while True:
-                async with sem:
+                async with gate.hold(urgent):
                     present = await self.client.head(path)
                     if present is True:
                         self.counters.add("remote_uploads_skipped_present")
@@ -199,33 +214,35 @@ class RemoteUploader:
         already said yes). Never blocks; returns the job, or None if the job
         queue is full or the tier closed. Under the lock with ``stop``: a turn
         accepted is either written or counted as dropped, never left pending."""
-        job = self._queue(layout, keys)
+        job = self._queue(layout, keys, durable=False)
         return None if isinstance(job, str) else job
 
     def write_durable(
         self, layout: KVLayout, keys: Sequence[BlockKey], timeout_s: float
     ) -> Durability:
-        """Queue a write-through of the turn, then wait up to ``timeout_s``
-        until the bucket acknowledged every block of it."""
-        job = self._queue(layout, keys)
+        """Queue a write-through of the turn ahead of every turn written
+        through in the background, then wait up to ``timeout_s`` until the
+        bucket acknowledged every block of it."""
+        job = self._queue(layout, keys, durable=True)
         if isinstance(job, str):
             return self.turns.wait(None, len(keys), timeout_s, job)
         return self.turns.wait(job, len(keys), timeout_s, "")
 
-    def _queue(self, layout: KVLayout, keys: Sequence[BlockKey]) -> TurnJob | str:
-        """The job queued, or why not."""
+    def _queue(self, layout: KVLayout, keys: Sequence[BlockKey], durable: bool) -> TurnJob | str:
+        """The job queued in its lane (durable turns first), or why not."""
         job = TurnJob(layout, list(keys))
+        lane = 0 if durable else 1
         with self._cond:
             if self._closed:
                 return "the remote tier is closing"
-            try:
-                self._jobs.put_nowait(job)
-            except queue.Full:
+            if self._lanes[lane] >= self.cfg.remote_write_through_queue_turns:
                 self.counters.add("remote_write_through_dropped")
                 return (
-                    f"the write-through queue is full "
+                    f"the {'durable ' if durable else ''}write-through queue is full "
                     f"({self.cfg.remote_write_through_queue_turns} turns)"
                 )
+            self._lanes[lane] += 1
+            self._jobs.put_nowait((lane, next(self._seq), job))
             self.turns.accept(job)
             self._pending += 1  # before the writer's _upload_done: it needs the lock
             self._gauges()
@@ -233,7 +250,10 @@ class RemoteUploader:
 
     def _write_loop(self) -> None:
         while True:
-            job = self._jobs.get()
+            lane, _, job = self._jobs.get()
+            if job is not None:
+                with self._cond:
+                    self._lanes[lane] -= 1
             if job is None or self._closed:
                 # Closing (the stop signal, or a full queue had no room for
                 # it): this and the queued turns stay local.
@@ -258,11 +278,13 @@ class RemoteUploader:
         jobs = [] if job is None else [job]
         while True:
             try:
-                more = self._jobs.get_nowait()
+                lane, _, more = self._jobs.get_nowait()
             except queue.Empty:
                 break
             if more is not None:
                 jobs.append(more)
+                with self._cond:
+                    self._lanes[lane] -= 1
         for j in jobs:
             self.turns.finish(j, 0, "the remote tier closed before the turn was written")
         dropped = len(jobs)
@@ -294,7 +316,7 @@ class RemoteUploader:
                     stop = f"block {i} of the turn is no longer held here"
                     break
                 buf[: fmt.HEADER_BYTES] = fmt.header(fmt.KIND_BLOCK, fp, key, digest, nbytes)
-                uploads.append((i, self._start_upload(self._path(fp, key), key, buf)))
+                uploads.append((i, self._start_upload(self._path(fp, key), key, buf, urgent=True)))
             prefix += 1
         for i, fut in uploads:
             try:
@@ -339,8 +361,7 @@ class RemoteUploader:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-            with contextlib.suppress(queue.Full):  # full: the writer sees _closed at its next job
-                self._jobs.put_nowait(None)
+            self._jobs.put_nowait((-1, next(self._seq), None))  # before any queued turn
 
     def join(self, timeout_s: float) -> None:
         self._writer.join(timeout=timeout_s)

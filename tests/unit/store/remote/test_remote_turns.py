@@ -142,26 +142,45 @@ def test_a_turn_whose_blocks_cannot_be_read_is_not_durable_and_says_why() -> Non
         up.join(WAIT_S)
 
 
-def test_a_durable_turn_refused_by_a_full_queue_or_a_closed_tier_returns_at_once() -> None:
-    go_on = threading.Event()
+def test_a_durable_turn_goes_before_the_background_turns_and_is_refused_only_by_its_lane() -> None:
+    """Background write-throughs filling their lane do not refuse a durable
+    turn, which is written before them; a full durable lane, or a closed
+    tier, refuses it at once with the reason."""
+    busy, go_on = threading.Event(), threading.Event()
+    written: list[int] = []
 
     def contains(fp: bytes, keys: Sequence[BlockKey], timeout_s: float) -> list[bool]:
+        busy.set()
         assert go_on.wait(WAIT_S)
+        written.append(len(keys))
         return [True] * len(keys)
 
     up, counters, _ = uploader(contains, remote_write_through_queue_turns=1)
+    durable_keys = KEYS[:5]
     try:
-        assert up.queue_turn(SMALL_LAYOUT, KEYS) is not None  # the writer takes it
-        while up.queue_turn(SMALL_LAYOUT, KEYS) is not None:  # until the queue is full
-            pass
-        got = up.write_durable(SMALL_LAYOUT, KEYS, WAIT_S)
-        assert not got.durable and got.wait_s == 0.0 and "queue is full" in got.reason
+        assert up.queue_turn(SMALL_LAYOUT, KEYS) is not None
+        assert busy.wait(WAIT_S)  # the writer has it, and waits
+        assert up.queue_turn(SMALL_LAYOUT, KEYS) is not None
+        assert up.queue_turn(SMALL_LAYOUT, KEYS) is None  # the background lane is full
+        first = threading.Thread(target=up.write_durable, args=(SMALL_LAYOUT, durable_keys, WAIT_S))
+        first.start()  # fills the durable lane (one turn)
+        deadline = time.monotonic() + WAIT_S
+        while counters.snapshot()["remote_turns_not_durable"] < 3:  # 2 background, 1 durable
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        got = up.write_durable(SMALL_LAYOUT, durable_keys, WAIT_S)
+        assert not got.durable and got.wait_s == 0.0
+        assert "durable write-through queue is full (1 turns)" in got.reason
         go_on.set()
+        first.join(WAIT_S)
         assert up.flush(WAIT_S)
+        # The turn in the writer's hands first, then the durable one before the queued one.
+        assert written == [len(KEYS), len(durable_keys), len(KEYS)]
         up.stop()
         got = up.write_durable(SMALL_LAYOUT, KEYS, WAIT_S)
         assert not got.durable and "closing" in got.reason
         assert counters.snapshot()["remote_durable_end_turns_failed"] == 2
+        assert counters.snapshot()["remote_durable_end_turns"] == 3
     finally:
         go_on.set()
         up.stop()
