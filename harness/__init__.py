@@ -7,6 +7,8 @@ and loads, in one place (run from the repository root; not installed).
 - ``harness.netns``: network namespaces joined by veth pairs, shaped with tc
   (tbf rate, netem delay and loss), a command or a thread run inside one,
   teardown that always runs;
+- ``harness.relay``: packet loss (a BPF filter) and added delay (a TUN wire)
+  where the kernel has no netem;
 - ``harness.etcd``: a real single-node etcd (start, kill, restart, etcdctl);
 - ``harness.seaweed``: a real SeaweedFS S3 store and a fault-injecting TCP
   proxy in front of it;
@@ -16,7 +18,9 @@ and loads, in one place (run from the repository root; not installed).
   streaming client and its statistics;
 - ``harness.reliability``: deterministic blocks anyone can verify, memory
   bounds and samplers, and the client worker processes of the reliability
-  tests and the soak.
+  tests and the soak;
+- ``harness.fault_load``: the fault bench's engines and writers (multi-turn
+  sessions that switch hosts, checking every block they get back).
 
 ``REPO`` is the checkout's root; ``child_env()`` the environment every child
 runs in (this process's, with ``REPO`` first on PYTHONPATH).

@@ -15,7 +15,7 @@ down).
 
 netem is a kernel module some kernels lack (this project's CI kernel among
 them): a delay or loss then raises ``ShapingUnsupported`` with tc's message;
-tests/reliability/relay.py has loss (a BPF filter) and delay (a TUN wire)
+harness/relay.py has loss (a BPF filter) and delay (a TUN wire)
 that need no netem. Runs in the caller's thread; every command is bounded.
 """
 

@@ -146,19 +146,20 @@ class FaultProxy:
     """Loopback TCP proxy to ``target`` with modes: pass, slowdown (503 to
     every request), delay (each connection waits ``delay_s`` before its
     first byte is forwarded), refuse (connections closed at once),
-    blackhole (connections accepted, never answered)."""
+    blackhole (connections accepted, never answered). It listens on ``host``
+    (e.g. a bridge's address that sidecars in network namespaces reach)."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
         self.target = ("127.0.0.1", target_port)
         self.mode = "pass"
         self.delay_s = 0.0
         self.requests = 0  # connections accepted
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind((host, 0))
         self._sock.listen(128)
         self.port = self._sock.getsockname()[1]
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"http://{host}:{self.port}"
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False

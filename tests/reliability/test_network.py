@@ -2,11 +2,11 @@
 a veth pair (10.201.0.1 <-> 10.201.0.2, namespaces this module creates and
 deletes): a link shaped very slow (tc tbf 8 mbit), a link taken down in the
 middle of a large pull, random packet loss on both ends of the link (5% and
-30%: a classic BPF program on clsact ingress drops packets, see relay.py;
+30%: a classic BPF program on clsact ingress drops packets, see harness/relay.py;
 this kernel has no netem and the machine no nft or iptables), and added
 round-trip time (100 ms each way, 200 ms RTT: a second pair of sidecars, A2
 in A's namespace and B2 at 10.201.0.4 in a third namespace whose only link to
-A is a delay line of two TUN devices, see relay.py ``DelayLine``; it delays
+A is a delay line of two TUN devices, see harness/relay.py ``DelayLine``; it delays
 IP packets, not the bytes of a relayed connection, so the sidecars' own TCP
 stacks see the RTT, and the test checks that both B2's gRPC port and its
 data channel's port had connections across it and that the kernel's RTT
@@ -54,7 +54,7 @@ from harness.sidecar import SidecarProcess
 from tierstore.client import StoreClient
 from tierstore.tiers import TierName
 
-from .relay import DelayLine, drop_random, listening_ports, stop_dropping, tcp_retransmits
+from harness.relay import DelayLine, drop_random, listening_ports, stop_dropping, tcp_retransmits
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
@@ -395,7 +395,7 @@ def test_packet_loss(pair: Pair, loss_percent: int) -> None:
 
 
 def test_added_latency(delayed: Delayed) -> None:
-    """200 ms of round-trip time (100 ms each way, on packets: see relay.py
+    """200 ms of round-trip time (100 ms each way, on packets: see harness/relay.py
     ``DelayLine``): a load whose deadline is shorter than a round trip gives up
     in time, and latency alone breaks nothing (lookups and the whole pull
     succeed within generous deadlines). Proved to be on the path: B2's gRPC

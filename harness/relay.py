@@ -1,4 +1,5 @@
-"""Network faults this kernel has no qdisc for, for tests/reliability/test_network.py.
+"""Network faults this kernel has no qdisc for (tests/reliability/test_network.py,
+bench/reliability/faults.py).
 
 - ``drop_random``: real packet loss on a veth inside a test's namespace. netem
   is not built and neither nft nor iptables is installed, so a classic BPF
@@ -116,6 +117,7 @@ class DelayLine:
         self._syns: dict[int, set[tuple[bytes, int]]] = {}  # dst port -> (src addr, src port)
         self._fds: list[int] = []
         self._threads: list[threading.Thread] = []
+        self._forwarded = [0, 0]  # packets carried, per direction (each thread its own)
         for ns, dev in ends:
             opened: list[int | BaseException] = []
             t = threading.Thread(target=self._open, args=(ns, dev, opened), name="delay-setup")
@@ -128,7 +130,7 @@ class DelayLine:
             self._fds.append(opened[0])
         for src, dst in ((0, 1), (1, 0)):
             t = threading.Thread(
-                target=self._forward, args=(self._fds[src], self._fds[dst]), name="delay-line"
+                target=self._forward, args=(src, self._fds[src], self._fds[dst]), name="delay-line"
             )
             self._threads.append(t)
             t.start()
@@ -147,6 +149,11 @@ class DelayLine:
         except OSError as e:
             opened.append(e)
 
+    @property
+    def packets(self) -> int:
+        """IP packets carried across the line so far, both directions."""
+        return sum(self._forwarded)
+
     def connections(self, port: int) -> int:
         """TCP connections opened across the line to ``port`` (distinct SYNs)."""
         with self._lock:
@@ -162,7 +169,7 @@ class DelayLine:
             with self._lock:
                 self._syns.setdefault(dst_port, set()).add((packet[12:16], src_port))
 
-    def _forward(self, src: int, dst: int) -> None:
+    def _forward(self, direction: int, src: int, dst: int) -> None:
         """Packets read from ``src`` are written to ``dst`` ``delay_s`` later, in order."""
         line: collections.deque[tuple[float, bytes]] = collections.deque()
         while not self._stop.is_set():
@@ -184,6 +191,7 @@ class DelayLine:
             while line and line[0][0] <= now:
                 with contextlib.suppress(OSError):  # the far end is down: lost, as on a wire
                     os.write(dst, line.popleft()[1])
+                    self._forwarded[direction] += 1
 
     def close(self) -> None:
         self._stop.set()
