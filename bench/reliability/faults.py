@@ -62,6 +62,7 @@ WATCHED = ("verify_failures", "remote_verify_failures", "peer_fetch_verify_failu
 KILL_TARGETS = {"sidecar0": 0.25, "sidecar1": 0.25, "engine": 0.3, "writer": 0.2}
 WRITER_SAMPLE = 300  # committed chains checked besides every one a kill may have cut
 RUN_S = 3600.0  # workers run until the bench kills them
+OUTAGE_GRACE_S = 2.0  # a call's deadline past a sidecar's restart (CONNECT_TIMEOUT_S)
 
 
 class Load:
@@ -104,22 +105,36 @@ class Load:
                 for e in read_events(self.log(name))]  # fmt: skip
 
 
-def kill_phase(fleet: FaultFleet, load: Load, kills: int, rng: random.Random) -> Counter[str]:
-    """``kills`` SIGKILLs at random moments; sidecars come back on their files."""
+def kill_phase(
+    fleet: FaultFleet, load: Load, kills: int, rng: random.Random
+) -> tuple[Counter[str], list[tuple[int, float, float]]]:
+    """``kills`` SIGKILLs at random moments; sidecars come back on their files.
+    Returns the kills by target, and each sidecar's outage: (host, from, to)."""
     done: Counter[str] = Counter()
+    outages = []
     engines = [n for n in load.procs if n.startswith("engine")]
     for _ in tqdm(range(kills), desc="kills", unit="kill", file=sys.stderr, leave=False):
         time.sleep(rng.uniform(0.2, 1.0))
         target = rng.choices(list(KILL_TARGETS), weights=list(KILL_TARGETS.values()))[0]
         if target.startswith("sidecar"):
+            t0 = time.time()
             fleet.kill_sidecar(int(target[-1]))
+            outages.append((int(target[-1]), t0, time.time()))
         elif target == "engine":
             target = rng.choice(engines)
             load.kill(target)
         else:
             load.kill("writer")
         done[target.rstrip("0123456789")] += 1
-    return done
+    return done, outages
+
+
+def during_outage(e: dict[str, Any], outages: list[tuple[int, float, float]]) -> bool:
+    """Whether an engine's failed call went to a sidecar that was down then: a
+    call in flight at the kill, or made before the engine saw the new one."""
+    return any(
+        e["host"] == host and t0 <= e["t"] <= t1 + OUTAGE_GRACE_S for host, t0, t1 in outages
+    )
 
 
 def deltas(before: list[dict[str, int]], after: list[dict[str, int]]) -> dict[str, int]:
@@ -148,6 +163,7 @@ def window_figures(events: list[dict[str, Any]], t0: float, t1: float) -> dict[s
         "wrong_bytes": sum(e.get("wrong_bytes", 0) for e in turns),
         "recomputed": round((asked - served) / asked, 4) if asked else None,
         "failed": sum(e["op"] == "error" for e in inside),
+        "failed_unexpected": sum(e["op"] == "error" and not e.get("expected") for e in inside),
         "failed_by_stage": dict(Counter(e["stage"] for e in inside if e["op"] == "error")),
         "unavailable": sum(e["op"] == "unavailable" for e in inside),
         "moved_turns": len(moved),
@@ -214,7 +230,7 @@ def run(kills: int, hold_s: float, engines: int, seed: int, workdir: Path) -> di
             time.sleep(hold_s)
             windows.append(window("none", t0, 0.0, counters=deltas(before, counters())))
             t0 = time.time()
-            killed = kill_phase(fleet, load, kills, rng)
+            killed, outages = kill_phase(fleet, load, kills, rng)
             restarts = sorted(fleet.restart_s) or [0.0]
             p50 = round(restarts[len(restarts) // 2], 3)
             windows.append(window("kills", t0, restarts[-1], restart_p50_s=p50))
@@ -237,6 +253,9 @@ def run(kills: int, hold_s: float, engines: int, seed: int, workdir: Path) -> di
         durable_turns = [e for e in engine_events if e["op"] == "turn" and e["durable"]]
         fresh = fleet.fresh_host()
         durable = durable_audit(str(fresh.socket), durable_turns)
+    for e in engine_events:
+        if e["op"] == "error":
+            e["expected"] = during_outage(e, outages)
     return report(windows, engine_events, killed, writer, durable, time.monotonic() - started)
 
 
@@ -262,6 +281,7 @@ def report(windows: list[dict[str, Any]], events: list[dict[str, Any]], killed: 
     wrong_bytes = sum(f["wrong_bytes"] for f in faults.values())
     return {
         "kills": sum(killed.values()),
+        "failed_unexpected": sum(f["failed_unexpected"] for f in faults.values()),
         "kills_by_target": dict(killed),
         "wrong_blocks": wrong,
         "wrong_bytes": wrong_bytes if not (writer["wrong"] or durable["wrong"]) else None,

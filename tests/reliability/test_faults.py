@@ -65,6 +65,7 @@ def test_nothing_wrong_was_served_and_every_window_was_checked(out: dict[str, An
     for kind, fig in out["faults"].items():
         assert fig["turns"] > 0 and fig["checked"] > 0, kind
         assert fig["wrong"] == 0, kind
+        assert fig["failed_unexpected"] == 0, kind  # only calls to a sidecar being killed
         assert fig["recover_s"] >= 0, kind
     assert out["checked_blocks"] > 1000
 
@@ -100,6 +101,15 @@ def test_control_the_durable_audit_counts_a_turn_the_bucket_never_had(
     assert got["durable_turns_lost"] == 1 and got["checked"] == 8 and got["wrong"] == 0
 
 
+def test_a_failed_call_is_expected_only_inside_its_hosts_outage() -> None:
+    outages = [(1, 10.0, 11.0)]
+    assert faults.during_outage({"host": 1, "t": 10.5}, outages)
+    assert faults.during_outage({"host": 1, "t": 11.0 + faults.OUTAGE_GRACE_S}, outages)
+    assert not faults.during_outage({"host": 0, "t": 10.5}, outages)  # the other host
+    assert not faults.during_outage({"host": 1, "t": 9.9}, outages)
+    assert not faults.during_outage({"host": 1, "t": 11.1 + faults.OUTAGE_GRACE_S}, outages)
+
+
 def test_control_a_window_with_a_wrong_block_reports_it() -> None:
     events = [
         {"op": "turn", "t": 1.0, "asked": 8, "served": 8, "wrong": 1, "wrong_bytes": 3,
@@ -108,4 +118,5 @@ def test_control_a_window_with_a_wrong_block_reports_it() -> None:
     ]  # fmt: skip
     fig = faults.window_figures(events, 0.0, 2.0)
     assert (fig["wrong"], fig["wrong_bytes"], fig["failed"], fig["moved_turns"]) == (1, 3, 1, 1)
+    assert fig["failed_unexpected"] == 1  # no outage marked it expected
     assert faults.window_figures(events, 2.0, 3.0)["turns"] == 0

@@ -49,12 +49,11 @@ import pytest
 
 from harness import REPO, child_env
 from harness.netns import Network, Shape, add_namespace, delete_namespace, ip
+from harness.relay import DelayLine, drop_random, listening_ports, stop_dropping, tcp_retransmits
 from harness.reliability import BLOCK, LAYOUT, SETTINGS, blocks_of, chain, count_wrong
 from harness.sidecar import SidecarProcess
 from tierstore.client import StoreClient
 from tierstore.tiers import TierName
-
-from harness.relay import DelayLine, drop_random, listening_ports, stop_dropping, tcp_retransmits
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
