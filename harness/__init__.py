@@ -19,6 +19,8 @@ and loads, in one place (run from the repository root; not installed).
 - ``harness.reliability``: deterministic blocks anyone can verify, memory
   bounds and samplers, and the client worker processes of the reliability
   tests and the soak;
+- ``harness.fault_fleet``: the fault bench's two-host fleet and the faults it
+  injects, each with its recovery probe;
 - ``harness.fault_load``: the fault bench's engines and writers (multi-turn
   sessions that switch hosts, checking every block they get back).
 

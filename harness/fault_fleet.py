@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import secrets
 import subprocess
 import time
@@ -39,6 +38,7 @@ from tierstore.keys import BlockKey
 
 from .etcd import EtcdProcess
 from .netns import Network, ip
+from .reaper import forget_mount, watch_mount
 from .relay import DelayLine, drop_random, stop_dropping, tcp_retransmits
 from .reliability import LAYOUT, SETTINGS, blocks_of, chain, count_wrong
 from .seaweed import ACCESS_KEY, SECRET_KEY, FaultProxy, SeaweedFS
@@ -92,8 +92,13 @@ class FaultFleet:
 
     def _start(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-                          AWS_REGION="us-east-1")  # fmt: skip
+        self.credentials = self.root / "s3-credentials"  # not this process's environment
+        self.credentials.write_text(
+            f"[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n"
+        )
+        held = ip("-o", "addr", "show", "to", ROOT_ADDR).stdout.split()
+        if held:  # two fleets on one subnet would route each other's traffic
+            raise RuntimeError(f"{ROOT_ADDR} is taken ({held[1]}): another fault fleet runs here")
         self.net = self.stack.enter_context(
             Network(2, subnet=SUBNET, root_addr=ROOT_ADDR, prefix="tsflt")
         )
@@ -108,14 +113,19 @@ class FaultFleet:
         self.stack.callback(self.proxy.close)
         self.disk = self.root / "disk1"
         self.disk.mkdir(parents=True, exist_ok=True)
+        watch_mount(str(self.disk))  # unmounted even if the bench is SIGKILLed
         subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES},mode=0700", "tmpfs",
                         str(self.disk)], check=True, timeout=30)  # fmt: skip
-        self.stack.callback(subprocess.run, ["umount", "-l", str(self.disk)], check=False)
+        self.stack.callback(self._unmount)
         self.url = f"s3://{BUCKET}/run-{secrets.token_hex(6)}"
         membership = f"etcd://{self.etcd.endpoint}/faults"
         for i in range(2):
             self.sidecars.append(self._sidecar(i, membership))
         self.stack.callback(self._teardown_faults)
+
+    def _unmount(self) -> None:
+        subprocess.run(["umount", "-l", str(self.disk)], check=False, timeout=30)
+        forget_mount(str(self.disk))
 
     def _sidecar(self, i: int, membership: str) -> SidecarProcess:
         addr = self.net.addr[i]
@@ -127,8 +137,7 @@ class FaultFleet:
                 f"peer_token={TOKEN}", f"membership={membership}", "membership_ttl_s=3",
                 "membership_timeout_s=1", "peer_lookup_timeout_s=1", "fetch_timeout_s=3",
                 "min_tokens=256", "stream_replicas=true", "compression=none",
-                f"remote_url={self.url}", f"remote_endpoint={self.proxy.endpoint}",
-                "remote_request_timeout_s=2", "remote_connect_timeout_s=1",
+                *self.remote_settings(), "remote_request_timeout_s=2", "remote_connect_timeout_s=1",
                 "remote_max_retries=1", "remote_min_tokens=512", "remote_lookup_timeout_s=1",
                 "remote_upload_backoff_max_s=1", "nvme_full_backoff_s=0.2",
             ),
@@ -136,6 +145,12 @@ class FaultFleet:
         sc.start(timeout_s=60.0)
         self.stack.callback(sc.stop, timeout_s=20.0)
         return sc
+
+    def remote_settings(self) -> tuple[str, ...]:
+        return (
+            f"remote_url={self.url}", f"remote_endpoint={self.proxy.endpoint}",
+            "remote_region=us-east-1", f"remote_credentials_file={self.credentials}",
+        )  # fmt: skip
 
     def counters(self, i: int) -> dict[str, int]:
         """Host i's sidecar counters, and the TCP segments its namespace
@@ -291,8 +306,8 @@ class FaultFleet:
         """A new host on empty disks, the same bucket, no peers (the durable audit)."""
         sc = SidecarProcess(
             self.root / "fresh", dram="64MiB", nvme="256MiB", die_with_parent=True,
-            settings=(*SETTINGS, "log_level=warning", f"remote_url={self.url}",
-                      f"remote_endpoint={self.proxy.endpoint}", "remote_fetch_timeout_s=30"),
+            settings=(*SETTINGS, "log_level=warning", *self.remote_settings(),
+                      "remote_fetch_timeout_s=30"),
         )  # fmt: skip
         sc.start(timeout_s=60.0)
         self.stack.callback(sc.stop, timeout_s=20.0)

@@ -2,8 +2,9 @@
 (the OOM killer), which runs no ``finally`` block.
 
 Provides ``watch_process`` (a child, or its whole process group),
-``watch_netns`` (a network namespace), ``forget_process`` / ``forget_netns``
-(stopped by their owner: nothing left to do), and the reaper itself
+``watch_netns`` (a network namespace), ``watch_mount`` (a filesystem the
+harness mounted, e.g. a small tmpfs for a full disk), ``forget_*`` (stopped
+or removed by their owner: nothing left to do), and the reaper itself
 (``main``, run as ``python -m harness.reaper``).
 
 The first watch starts the reaper: a child in a session of its own whose
@@ -17,7 +18,8 @@ exits, and the reaper then cleans up what is still watched, in order:
    group leaders: an engine's core and workers go with it). Before any
    signal it notes the /dev/shm files they hold open or mapped. SIGTERM,
    ``GRACE_S`` to exit, then SIGKILL;
-2. the namespaces still there (``ip netns del``);
+2. the namespaces still there (``ip netns del``), and the mounts (``umount
+   -l``: a tmpfs gives its memory back);
 3. the /dev/shm files those processes held (a sidecar's arena, an engine's
    queues and semaphores), once no live process holds them.
 
@@ -116,6 +118,16 @@ def forget_netns(name: str) -> None:
     _send(f"forget-netns {name}")
 
 
+def watch_mount(path: str) -> None:
+    if any(c.isspace() for c in path):
+        raise ValueError(f"a watched mount's path cannot hold whitespace: {path!r}")
+    _send(f"mount {path}")
+
+
+def forget_mount(path: str) -> None:
+    _send(f"forget-mount {path}")
+
+
 # -- the reaper -------------------------------------------------------------------
 
 
@@ -172,7 +184,14 @@ def _wait_gone(procs: dict[int, tuple[int, bool]], timeout_s: float) -> set[int]
     return left
 
 
-def reap(procs: dict[int, tuple[int, bool]], netns: set[str]) -> list[str]:
+def _mounted(path: str) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == path for line in f)
+
+
+def reap(
+    procs: dict[int, tuple[int, bool]], netns: set[str], mounts: set[str] | None = None
+) -> list[str]:
     """Stop what is watched and remove what it leaves; returns what was done."""
     done: list[str] = []
     members = _members(procs)
@@ -191,6 +210,13 @@ def reap(procs: dict[int, tuple[int, bool]], netns: set[str]) -> list[str]:
             )
             failed = f" failed: {out.stderr.strip()}" if out.returncode else ""
             done.append(f"netns {name} deleted{failed}")
+    for mount in sorted(mounts or ()):
+        if _mounted(mount):
+            out = subprocess.run(
+                ["umount", "-l", mount], capture_output=True, text=True, timeout=20
+            )
+            failed = f" failed: {out.stderr.strip()}" if out.returncode else ""
+            done.append(f"unmounted {mount}{failed}")
     if shm:
         still = _shm_held(None)
         for path in sorted(shm - still):
@@ -205,6 +231,7 @@ def main() -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     procs: dict[int, tuple[int, bool]] = {}
     netns: set[str] = set()
+    mounts: set[str] = set()
     for line in sys.stdin:
         verb, *args = line.split()
         if verb == "proc":
@@ -215,7 +242,11 @@ def main() -> int:
             netns.add(args[0])
         elif verb == "forget-netns":
             netns.discard(args[0])
-    done = reap(procs, netns) if procs or netns else []
+        elif verb == "mount":
+            mounts.add(args[0])
+        elif verb == "forget-mount":
+            mounts.discard(args[0])
+    done = reap(procs, netns, mounts) if procs or netns or mounts else []
     if done:
         with open(sys.argv[1], "a") as log:
             for entry in done:

@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from harness import fault_load
 from harness.fault_fleet import KINDS, FaultFleet
+from harness.reaper import forget_process, watch_process
 from harness.reliability import BLOCK, LAYOUT, chain, count_wrong, read_events, stop_forkserver
 from harness.reliability import workers as worker_context
 from tierstore.client import StoreClient
@@ -86,12 +87,14 @@ class Load:
         args = (self.fleet.sockets, str(self.log(name)), n, RUN_S)
         p = self.ctx.Process(target=fn, args=args, name=name, daemon=True)
         p.start()
+        watch_process(p.pid)  # a forkserver child: not this process's, so not ended with it
         self.procs[name] = p
 
     def kill(self, name: str) -> None:
         p = self.procs[name]
         p.kill()
         p.join(10)
+        forget_process(p.pid)
         self.start(name)
 
     def stop(self) -> None:
@@ -99,6 +102,7 @@ class Load:
             p.kill()
         for p in self.procs.values():
             p.join(10)
+            forget_process(p.pid)
 
     def events(self, prefix: str) -> list[dict[str, Any]]:
         return [e for name in self.procs if name.startswith(prefix)

@@ -17,12 +17,15 @@ after warm-up: ``(last - first) / first``. Target: <= 5% for each figure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,15 @@ def sample(pid: int) -> dict[str, int]:
                 out[name] = int(value.split()[0])
     return {"rss_kib": out["VmRSS"], "anon_kib": out["RssAnon"],
             "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": out["Threads"]}  # fmt: skip
+
+
+def thread_names(pid: int) -> dict[str, int]:
+    """How many of ``pid``'s threads carry each name (what a growing count is made of)."""
+    names: Counter[str] = Counter()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/comm") as f:
+            names[re.sub(r"[_-]?\d+$", "", f.read().strip())] += 1
+    return dict(sorted(names.items()))
 
 
 def growth(series: list[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
@@ -70,6 +82,7 @@ def run(minutes: float, warmup_min: float, sample_s: float, workdir: Path) -> di
         load = Load(fleet, 2, workdir / "logs")
         start = time.monotonic()
         pids = [sc.pid for sc in fleet.sidecars]
+        named: dict[str, list[dict[str, int]]] = {"after_warmup": [], "end": []}
         try:
             steps = int(minutes * 60 / sample_s)
             for _ in tqdm(range(steps), desc="soak", unit="sample", file=sys.stderr):
@@ -78,6 +91,9 @@ def run(minutes: float, warmup_min: float, sample_s: float, workdir: Path) -> di
                     if not fleet.sidecars[i].alive() or fleet.sidecars[i].pid != pid:
                         raise RuntimeError(f"sidecar {i} died during the soak")
                     series[i].append({"t": round(time.monotonic() - start, 1), **sample(pid)})
+                if not named["after_warmup"] and time.monotonic() - start >= warmup_min * 60:
+                    named["after_warmup"] = [thread_names(pid) for pid in pids]
+            named["end"] = [thread_names(pid) for pid in pids]
         finally:
             load.stop()
             stop_forkserver()
@@ -99,6 +115,7 @@ def run(minutes: float, warmup_min: float, sample_s: float, workdir: Path) -> di
         "wrong_blocks": sum(e["wrong"] for e in turns),
         "failed": sum(e["op"] == "error" for e in events),
         "worker_failures": [c.get("worker_failures") for c in counters],
+        "threads_by_name": named,
         "series": series,
     }
 

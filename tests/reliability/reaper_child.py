@@ -2,8 +2,9 @@
 
 Makes what a test or benchmark makes: two network namespaces, a sidecar in
 one of them (its arena in /dev/shm; started without the parent-death signal,
-so only the reaper can stop it), and a process group of two (a shell and
-its child) holding a /dev/shm file open, as an engine holds its queues.
+so only the reaper can stop it), a process group of two (a shell and its
+child) holding a /dev/shm file open, as an engine holds its queues, and a
+small tmpfs mounted (as the fault bench's full disk is).
 Prints what it made as one JSON line, then sleeps until killed.
 
     python -m tests.reliability.reaper_child DIR
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 from harness.netns import Network
-from harness.reaper import watch_process
+from harness.reaper import watch_mount, watch_process
 from harness.sidecar import SidecarProcess, arenas_of
 
 LIFE_S = 300.0  # bounded: it is meant to be killed long before
@@ -39,11 +40,16 @@ def main() -> None:
     deadline = time.monotonic() + 10.0
     while not os.path.exists(held) and time.monotonic() < deadline:
         time.sleep(0.02)
+    mount = root / "disk"
+    mount.mkdir()
+    watch_mount(str(mount))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
     made = {
         "pids": [sidecar.pid, group.pid],
         "group": group.pid,
         "netns": net.ns,
         "shm": [f"/dev/shm/{name}" for name in arenas_of(sidecar.pid)] + [held],
+        "mounts": [str(mount)],
     }
     print(json.dumps(made), flush=True)
     time.sleep(LIFE_S)

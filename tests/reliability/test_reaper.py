@@ -2,12 +2,12 @@
 ``harness.reaper``.
 
 A harness process (tests/reliability/reaper_child.py) makes two network
-namespaces, a sidecar in one (its arena in /dev/shm) and a process group
-holding a /dev/shm file, then is SIGKILLed. Proved: within a bounded wait no
-process it started is alive, neither namespace exists and no /dev/shm file
-of theirs is left. The control runs the same child with the reaper off and
-finds all three kinds left behind (then removes them itself), so the check
-fails when nothing cleans up.
+namespaces, a sidecar in one (its arena in /dev/shm), a process group
+holding a /dev/shm file and a tmpfs mount, then is SIGKILLed. Proved: within
+a bounded wait no process it started is alive, neither namespace exists, no
+/dev/shm file of theirs is left and the tmpfs is unmounted. The control runs
+the same child with the reaper off and finds all four kinds left behind
+(then removes them itself), so the check fails when nothing cleans up.
 """
 
 from __future__ import annotations
@@ -59,7 +59,13 @@ def left(made: dict[str, Any]) -> dict[str, list[Any]]:
         "processes": [p for p, t in made["starts"].items() if t and start_time(p) == t],
         "netns": [n for n in made["netns"] if os.path.exists(f"/run/netns/{n}")],
         "shm": [f for f in made["shm"] if os.path.exists(f)],
+        "mounts": [m for m in made["mounts"] if mounted(m)],
     }
+
+
+def mounted(path: str) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == path for line in f)
 
 
 def kill_harness(proc: subprocess.Popen[bytes]) -> None:
@@ -70,7 +76,7 @@ def kill_harness(proc: subprocess.Popen[bytes]) -> None:
 def test_nothing_outlives_a_sigkilled_harness(tmp_path: Path) -> None:
     proc, made = start_child(tmp_path, reaper=True)
     before = left(made)
-    assert all(before.values()), f"the child did not make all three kinds: {before}"
+    assert all(before.values()), f"the child did not make all four kinds: {before}"
     assert len(made["shm"]) >= 2  # the sidecar's arena and the group's file
     kill_harness(proc)
     deadline = time.monotonic() + REAPED_S
@@ -85,7 +91,7 @@ def test_the_control_without_the_reaper_leaves_them(tmp_path: Path) -> None:
         kill_harness(proc)
         time.sleep(2.0)
         now = left(made)
-        assert now["processes"] and now["netns"] and now["shm"], now
+        assert now["processes"] and now["netns"] and now["shm"] and now["mounts"], now
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(made["group"], signal.SIGKILL)
@@ -100,3 +106,5 @@ def test_the_control_without_the_reaper_leaves_them(tmp_path: Path) -> None:
         for path in made["shm"]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+        for mount in made["mounts"]:
+            subprocess.run(["umount", "-l", mount], check=False, timeout=30)
