@@ -48,13 +48,17 @@ def test_stat_and_metrics_show_writes_drain_and_arena(tmp_path: Path) -> None:
             c = stat["counters"]
             assert c["write_queued"] == 20 and c["arena_bytes"] == 4 << 20
             assert 0 < c["arena_populated_bytes"] <= c["arena_bytes"]
+            # Root here: the arena is locked (dram_lock = "auto"), and stat says how much.
+            assert c["arena_locked_bytes"] >= c["arena_bytes"]
+            assert f"locked {c['arena_locked_bytes'] / 2**20:.0f} MiB" in table, table
             assert c["write_queue_bound_bytes"] == 256 << 20
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
                 text = r.read().decode()
-            assert 'tierstore_settings_info{arena_page="' in text
+            assert 'tierstore_settings_info{arena_lock="locked as faulted in",arena_page="' in text
             assert 'write_policy="write_through"' in text
             assert "# TYPE tierstore_write_queue_bytes gauge" in text
             assert "# TYPE tierstore_arena_populated_bytes gauge" in text
+            assert "# TYPE tierstore_arena_locked_bytes gauge" in text
             assert "tierstore_write_queued_total 20.0" in text
     finally:
         assert proc.stop() == 0

@@ -264,7 +264,11 @@ def _restart_lines(info: dict[str, str], c: dict[str, int]) -> list[str]:
     if "arena_page" in info:
         total = c.get("arena_bytes", 0)
         share = 100 * c.get("arena_populated_bytes", 0) / total if total else 0.0
-        lines.append(f"arena     pages {info['arena_page']}  populated {share:.0f}%")
+        lock = info.get("arena_lock", "")
+        if lock.startswith("locked"):
+            lock = f"locked {c.get('arena_locked_bytes', 0) / 2**20:.0f} MiB"
+        line = f"arena     pages {info['arena_page']}  populated {share:.0f}%  {lock}"
+        lines.append(line.rstrip())
     if c.get("nvme_disk_full", 0) or c.get("nvme_full_rechecks", 0):
         lines.append(
             "disk      full now {}  full events {}  re-checks {}  resumed {}  "

@@ -42,6 +42,7 @@ class StoreConfig:
     dram_populate: str = "background"  # background (serve at once) | upfront (populate first)
     dram_ready_bytes: int = 256 << 20  # background: arena bytes made ready before serving
     dram_huge_pages: bool = True  # ask for transparent huge pages on the arena (madvise)
+    dram_lock: str = "auto"  # lock the arena's pages in memory: auto (warn if not) | require | off
     hash_queue_blocks: int = 1 << 16  # committed blocks waiting for their digest; 0: hash on use
     replica_live_s: float = 300.0  # replicas pushed this recently keep their LRU place in DRAM
 
@@ -69,6 +70,8 @@ class StoreConfig:
         at_least(self, 1, "write_through_min_tokens")
         at_least(self, 0, "nvme_index_reserve_bytes")
         positive(self, "nvme_full_backoff_s")
+        if self.dram_lock not in ("auto", "require", "off"):
+            raise ConfigError(f"dram_lock must be auto, require or off, got {self.dram_lock!r}")
         if self.dram_populate not in ("background", "upfront"):
             raise ConfigError(
                 f"dram_populate must be background or upfront, got {self.dram_populate!r}"

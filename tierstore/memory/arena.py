@@ -51,6 +51,7 @@ PAGE_BYTES = mmap.PAGESIZE
 UNIT_BYTES = 2 << 20  # preparation unit: one x86-64 huge page (larger huge pages: one page)
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module names it only on 3.12+
 MADV_HUGEPAGE = 14
+MLOCK_ONFAULT = 1  # linux/mman.h: lock each page as it is faulted in, not all at once
 
 
 def _libc_madvise() -> Any:
@@ -66,6 +67,39 @@ def _libc_madvise() -> Any:
 
 
 _madvise = _libc_madvise()
+
+
+def _libc_mlock2() -> Any:
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).mlock2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_mlock2 = _libc_mlock2()
+
+
+def locked_bytes() -> int:
+    """Memory this process has locked (VmLck), in bytes; 0 if unknown."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmLck:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def memlock_limit() -> int:
+    """RLIMIT_MEMLOCK's soft limit in bytes (-1: unlimited)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return -1 if soft == resource.RLIM_INFINITY else soft
 
 
 def _mount_of(directory: Path) -> tuple[str, str]:
@@ -161,6 +195,7 @@ class Arena:
             os.close(fd)
             raise ArenaError(f"cannot map arena {path} ({size_bytes} bytes): {e}") from e
         self.huge_advised = False
+        self.locked = False
         if huge_pages:  # THP on a tmpfs mounted huge=advise; others ignore or refuse it
             with contextlib.suppress(OSError, ValueError):
                 self._map.madvise(getattr(mmap, "MADV_HUGEPAGE", MADV_HUGEPAGE))
@@ -378,6 +413,22 @@ class Arena:
             os.close(fd)
             raise ArenaError(f"arena {path} is {actual} bytes, expected {size_bytes}")
         return cls(path, size_bytes, fd, owner=False)
+
+    def lock(self) -> str:
+        """Lock the arena's pages in memory as they are faulted in
+        (``mlock2(MLOCK_ONFAULT)``): populating stays as cheap as before, and
+        no page once in memory is paged out, however long it sits idle.
+        Returns "" when locked, else why not (the memory-lock limit, most
+        often: the caller says what to do about it)."""
+        if _mlock2 is None:
+            return "this C library has no mlock2"
+        if _mlock2(self._address, self.size_bytes, MLOCK_ONFAULT) != 0:
+            err = ctypes.get_errno()
+            limit = memlock_limit()
+            shown = "unlimited" if limit < 0 else f"{limit >> 10} KiB"
+            return f"mlock2 failed: {os.strerror(err)} (the memory-lock limit is {shown})"
+        self.locked = True
+        return ""
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """A zero-copy view of ``nbytes`` at ``offset``."""

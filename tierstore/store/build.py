@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from tierstore.config.remote import RemoteConfig
 from tierstore.config.store import StoreConfig
 from tierstore.counters import Counters
+from tierstore.errors import ArenaError
 from tierstore.memory.arena import Arena
 from tierstore.policies.admission import make_admission_policy
 from tierstore.policies.eviction import make_eviction_policy
@@ -182,6 +183,7 @@ def _build_tiers(
             huge_pages=config.dram_huge_pages,
         )
         undo.callback(arena.close)
+        lock_arena(arena, config.dram_lock)
     # A tier smaller than one segment is one segment (small test and demo stores).
     dram = DramTier(
         arena,
@@ -230,6 +232,27 @@ def _build_demoter(
     )
 
 
+def lock_arena(arena: Arena, mode: str) -> None:
+    """Lock the arena's pages as they are faulted in (``dram_lock``): "auto"
+    says loudly, at start-up, when the host does not allow it; "require"
+    refuses to start then; "off" does not try."""
+    if mode == "off":
+        return
+    why = arena.lock()
+    if not why:
+        return
+    message = (
+        f"DRAM arena of {arena.size_bytes / 2**30:.2f} GiB is NOT locked in memory: {why}. "
+        "Its pages may be taken back once idle, and the first copy out of them is then "
+        "slower. Fix: a memory-lock limit of at least the arena's size (ulimit -l; "
+        "systemd LimitMEMLOCK=infinity; a container's IPC_LOCK capability), or "
+        'dram_lock = "off" to run unlocked on purpose'
+    )
+    if mode == "require":
+        raise ArenaError(message)
+    log.warning(message)
+
+
 def populate_in_background(
     arena: Arena, workers: Workers, stop: Callable[[], bool], ready_bytes: int
 ) -> None:
@@ -253,11 +276,12 @@ def populate_in_background(
             "the rest populating in the background"
         )
     log.info(
-        "DRAM arena %s: %.2f GiB, pages of %d KiB (%s), %s",
+        "DRAM arena %s: %.2f GiB, pages of %d KiB (%s), %s, %s",
         arena.path,
         arena.size_bytes / 2**30,
         arena.page_bytes >> 10,
         arena.page_kind,
+        "locked in memory as it is faulted in" if arena.locked else "not locked",
         state,
     )
 

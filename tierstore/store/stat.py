@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierstore.counters import Counters
-from tierstore.memory.arena import Arena
+from tierstore.memory.arena import Arena, locked_bytes
 from tierstore.store.base import Tier
 from tierstore.store.nvme.tier import NVME_GAUGES, NvmeTier
 from tierstore.store.nvme.writer import WRITER_GAUGES, DrainReport, NvmeWriter
@@ -31,6 +31,7 @@ STORE_GAUGES = (
         "arena_bytes",
         "arena_populated_bytes",
         "arena_page_bytes",
+        "arena_locked_bytes",
         "last_drain_blocks",
         "last_drain_bytes",
         "last_drain_dropped_blocks",
@@ -69,6 +70,7 @@ def store_stat(
     figures["arena_bytes"] = arena.size_bytes
     figures["arena_populated_bytes"] = arena.populated_bytes
     figures["arena_page_bytes"] = arena.page_bytes
+    figures["arena_locked_bytes"] = locked_bytes() if arena.locked else 0
     if remote is not None:  # remote tier (outside tiers: it is asked per layout)
         by_tier[str(TierName.REMOTE)] = remote.stats()
         figures.update(remote.counters.snapshot())
@@ -78,6 +80,7 @@ def store_stat(
         "info": {
             "write_policy": write_policy,
             "arena_page": f"{arena.page_bytes >> 10} KiB, {arena.page_kind}",
+            "arena_lock": "locked as faulted in" if arena.locked else "NOT locked",
         },
         "layouts": num_layouts,
     }
