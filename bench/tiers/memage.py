@@ -20,6 +20,9 @@ for that many seconds and then copied once:
   or a file on /dev/shm mapped shared, as the sidecar's arena) into one
   touched just before;
 - ``write_anon`` / ``write_shm``: from a touched buffer into the idle one;
+- ``*_locked``: the same on a sidecar's arena (``Arena.create``) locked in
+  memory as the sidecar locks it (``dram_lock``, mlock2 MLOCK_ONFAULT):
+  whether locking keeps idle memory ready on this machine;
 - ``*_again``: the same copy repeated right after (the hot figure).
 
 ``kept_warm``: a buffer of the longest age of which one byte a page was
@@ -41,9 +44,24 @@ from typing import Any
 import numpy as np
 
 from bench.limits import GB, emit, shm_buffer
+from tierstore.memory.arena import Arena
+
+KINDS = ("anon", "shm", "locked")
+
+
+_ARENAS: list[Arena] = []  # kept open (and locked) while the bench runs
 
 
 def _buffer(kind: str, nbytes: int) -> np.ndarray:
+    if kind == "locked":
+        arena = Arena.create(nbytes, upfront=False)
+        why = arena.lock()
+        if why:
+            raise SystemExit(f"cannot lock the arena: {why}")
+        _ARENAS.append(arena)
+        arr = arena.array
+        arr[:] = 0x5A
+        return arr
     buf = mmap.mmap(-1, nbytes) if kind == "anon" else shm_buffer(nbytes)
     arr = np.frombuffer(buf, dtype=np.uint8)
     arr[:] = 0x5A  # written: every page is present in the guest
@@ -70,7 +88,7 @@ def main() -> None:
         (age, op, kind): _buffer(kind, nbytes)
         for age in ages
         for op in ("read", "write")
-        for kind in ("anon", "shm")
+        for kind in KINDS
     }
     warm = _buffer("shm", nbytes)
     start = time.monotonic()
@@ -92,7 +110,7 @@ def main() -> None:
                 "read_gbps": round(_copy_gbps(hot, warm), 2),
                 "read_again_gbps": round(_copy_gbps(hot, warm), 2),
             }
-        for kind in ("anon", "shm"):
+        for kind in KINDS:
             src = idle[(age, "read", kind)]
             hot[:] = 1  # the destination touched just before
             row[f"read_{kind}_gbps"] = round(_copy_gbps(hot, src), 2)
@@ -112,6 +130,9 @@ def main() -> None:
             ),
             "oldest_write_shm_vs_hot": round(
                 oldest["write_shm_gbps"] / oldest["write_shm_again_gbps"], 3
+            ),
+            "oldest_read_locked_vs_hot": round(
+                oldest["read_locked_gbps"] / oldest["read_locked_again_gbps"], 3
             ),
         },
         args.json,

@@ -28,6 +28,7 @@ from tierstore.errors import TierstoreError
 from tierstore.keys import KEY_BYTES, BlockKey, KVLayout, unpack_keys
 from tierstore.membership.etcd import EtcdMembers, describe_host
 from tierstore.peer.auth import TokenAuth, is_loopback, server_ssl_context
+from tierstore.peer.client import KEEPALIVE_SERVER_OPTIONS
 from tierstore.peer.data import DataServer
 from tierstore.peer.tier import PeerTier
 from tierstore.sidecar.loadboard import LoadBoard
@@ -225,6 +226,7 @@ class PeerServer:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                *KEEPALIVE_SERVER_OPTIONS,
             ],
             maximum_concurrent_rpcs=cfg.peer_max_rpcs,
         )
