@@ -28,10 +28,34 @@ and loads, in one place (run from the repository root; not installed).
 runs in (this process's, with ``REPO`` first on PYTHONPATH).
 """
 
+import contextlib
 import os
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+class Started:
+    """A ``with`` block over what ``_start`` puts on ``self.stack``: all of it
+    is stopped on the way out, and if ``_start`` fails part-way, what it had
+    started already."""
+
+    stack: contextlib.ExitStack
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        try:
+            self._start()
+        except BaseException:
+            self.stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
 
 
 def child_env() -> dict[str, str]:

@@ -36,6 +36,7 @@ from tierstore.client import StoreClient
 from tierstore.errors import TierstoreError
 from tierstore.keys import BlockKey
 
+from . import Started
 from .etcd import EtcdProcess
 from .netns import Network, ip
 from .reaper import forget_mount, watch_mount
@@ -62,7 +63,7 @@ KINDS = ("kills", "disk_full", "bucket_down", "etcd_down", "loss_1pct", "loss_5p
 TUNS = ("tsfltd0", "tsfltd1")
 
 
-class FaultFleet:
+class FaultFleet(Started):
     """See the module docstring. ``sidecars[i]`` is host i's; ``sockets`` their paths."""
 
     def __init__(self, root: Path) -> None:
@@ -74,17 +75,6 @@ class FaultFleet:
         self.delayed_packets = 0  # carried by the delay lines closed so far
         self._probe_seq = 0
         self.last_probe = ""  # what the last recovery probe saw
-
-    def __enter__(self) -> FaultFleet:
-        try:
-            self._start()
-        except BaseException:
-            self.stack.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stack.close()
 
     @property
     def sockets(self) -> list[str]:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import REPO, child_env
+from harness import REPO, Started, child_env
 from harness.etcd import EtcdProcess
 from harness.netns import Network, Shape
 from harness.reaper import forget_process, watch_process
@@ -91,7 +91,7 @@ class Sizing:
     prefix_max_waiting: float = 2.0  # prefix_aware: a host with more waiting is full
 
 
-class Fleet:
+class Fleet(Started):
     def __init__(
         self, root: Path, mode: Mode, link: str, sizing: Sizing, model: Path, hosts: int = 2,
         replicas: bool = True,
@@ -107,17 +107,6 @@ class Fleet:
         self._gateway: subprocess.Popen[bytes] | None = None
 
     # -- bring-up --------------------------------------------------------------------------
-
-    def __enter__(self) -> Fleet:
-        try:
-            self._start()
-        except BaseException:
-            self.stack.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stack.close()
 
     def _start(self) -> None:
         rate, _ = LINK_RATES[self.link]

@@ -54,44 +54,38 @@ MADV_HUGEPAGE = 14
 MLOCK_ONFAULT = 1  # linux/mman.h: lock each page as it is faulted in, not all at once
 
 
-def _libc_madvise() -> Any:
-    """libc's madvise through ctypes, which releases the GIL while it runs
-    (Python's mmap.madvise holds it: a populator would stall every thread)."""
+def _libc(name: str, flags: Any) -> Any:
+    """libc's ``name``(address, length, flags) through ctypes, which releases
+    the GIL while it runs (Python's mmap.madvise holds it: a populator would
+    stall every thread); None where this C library lacks it."""
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).madvise
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, flags]
     fn.restype = ctypes.c_int
     return fn
 
 
-_madvise = _libc_madvise()
+_madvise = _libc("madvise", ctypes.c_int)
+_mlock2 = _libc("mlock2", ctypes.c_uint)
 
 
-def _libc_mlock2() -> Any:
+def _kib_line(path: str, name: str) -> int | None:
+    """The ``name: N kB`` figure of a /proc file, in bytes; None if absent."""
     try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).mlock2
-    except (OSError, AttributeError):
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith(name + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_mlock2 = _libc_mlock2()
+    return None
 
 
 def locked_bytes() -> int:
     """Memory this process has locked (VmLck), in bytes; 0 if unknown."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmLck:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _kib_line("/proc/self/status", "VmLck") or 0
 
 
 def memlock_limit() -> int:
@@ -122,14 +116,7 @@ def _mount_of(directory: Path) -> tuple[str, str]:
 
 
 def _mem_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return _kib_line("/proc/meminfo", "MemAvailable")
 
 
 _ARENA_NAME = re.compile(r"^tierstore-(?:[A-Za-z0-9_]+-)?(\d+)-[0-9a-f]{8}$")
