@@ -142,7 +142,8 @@ def during_outage(e: dict[str, Any], outages: list[tuple[int, float, float]]) ->
 
 
 def deltas(before: list[dict[str, int]], after: list[dict[str, int]]) -> dict[str, int]:
-    """Counter growth over a window, both hosts summed (None where a host restarted)."""
+    """Counter growth over a window, both hosts summed (no window with a restart
+    has these: a restarted sidecar counts from 0)."""
     out = {}
     for name in WATCHED:
         out[name] = sum(a.get(name, 0) - b.get(name, 0) for b, a in zip(before, after))
