@@ -255,8 +255,8 @@ class RemoteUploader:
                 with self._cond:
                     self._lanes[lane] -= 1
             if job is None or self._closed:
-                # Closing (the stop signal, or a full queue had no room for
-                # it): this and the queued turns stay local.
+                # Closing (the stop signal, or the tier closed while this
+                # job waited): this and the queued turns stay local.
                 self._drop_queued(job)
                 return
             durable, reason = 0, "the write-through of the turn failed"
