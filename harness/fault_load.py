@@ -33,7 +33,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .reliability import BLOCK, LAYOUT, _Log, block_of, blocks_of, chain, count_wrong, read_events
+from .reliability import (
+    BLOCK,
+    LAYOUT,
+    EventLog,
+    block_of,
+    blocks_of,
+    chain,
+    count_wrong,
+    read_events,
+)
 
 LOAD_DEADLINE_S = 3.0  # a moved turn's pull gives up after this (the rest is prefilled)
 DURABLE_TIMEOUT_S = 3.0  # a durable EndTurn waits this long for the bucket
@@ -44,7 +53,7 @@ CONNECT_TIMEOUT_S, CALL_TIMEOUT_S = 2.0, 10.0
 class Hosts:
     """One StoreClient per host, made on first use and dropped on any error."""
 
-    def __init__(self, sockets: Sequence[str], name: str, log: _Log) -> None:
+    def __init__(self, sockets: Sequence[str], name: str, log: EventLog) -> None:
         self.sockets = list(sockets)
         self.name = name
         self.log = log
@@ -116,7 +125,7 @@ def engine(
     """Run ``slots`` sessions' turns, one at a time, until ``duration_s`` passes."""
     from tierstore.errors import TierstoreError
 
-    log = _Log(log_path)
+    log = EventLog(log_path)
     hosts = Hosts(sockets, f"engine{engine_id}", log)
     state = {i: {"gen": 0, "turn": -1, "host": -1} for i in range(slots)}
     state.update(_sessions(log_path, slots))
@@ -187,7 +196,7 @@ def writer(
     from tierstore.client import ReserveStatus
     from tierstore.errors import TierstoreError
 
-    log = _Log(log_path)
+    log = EventLog(log_path)
     hosts = Hosts(sockets, f"writer{writer_id}", log)
     rng = random.Random(writer_id * 7919 + int(time.time()))
     end = time.monotonic() + duration_s

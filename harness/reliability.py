@@ -189,7 +189,10 @@ def reap(procs: Sequence[Any], timeout_s: float = 15.0) -> None:
             p.join(5)
 
 
-class _Log:
+class EventLog:
+    """Appends one JSON line per event to ``path``, line-buffered: a worker
+    SIGKILLed keeps every event it reported."""
+
     def __init__(self, path: str) -> None:
         self.f = open(path, "a", buffering=1)
 
@@ -218,7 +221,7 @@ def crash_writer(
     """Store fresh chains until the sidecar dies or ``duration_s`` passes."""
     from tierstore.errors import TierstoreError
 
-    log = _Log(log_path)
+    log = EventLog(log_path)
     end = time.monotonic() + duration_s
     try:
         with _client(socket, f"writer-{seed}") as client:
@@ -237,7 +240,7 @@ def crash_loader(socket: str, log_path: str, writer_log: str, seed: int, duratio
     """Load chains the writer reported, checking every byte that comes back."""
     from tierstore.errors import TierstoreError
 
-    log = _Log(log_path)
+    log = EventLog(log_path)
     rng = random.Random(seed)
     end = time.monotonic() + duration_s
     try:
@@ -273,7 +276,7 @@ def overload_worker(
     loads of chains only the peer holds (include_peers, within a deadline)."""
     from tierstore.errors import TierstoreError
 
-    log = _Log(log_path)
+    log = EventLog(log_path)
     rng = random.Random(seed)
     own: list[int] = []
     end = time.monotonic() + duration_s
