@@ -167,6 +167,21 @@ def _shm_held(pids: set[int] | None) -> set[Path]:
     return held
 
 
+def group_shm(pgid: int) -> set[Path]:
+    """The /dev/shm files the live members of process group ``pgid`` hold."""
+    return _shm_held(_members({pgid: (0, True)}))
+
+
+def remove_unheld(paths: set[Path]) -> list[Path]:
+    """Unlink those of ``paths`` no live process holds; returns them."""
+    removed = []
+    for path in sorted(paths - _shm_held(None)):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 def _signal(procs: dict[int, tuple[int, bool]], members: set[int], sig: int) -> None:
     """``sig`` to each watched group, and to each watched pid still in ``members``."""
     for pid, (_, group) in procs.items():
@@ -217,12 +232,7 @@ def reap(
             )
             failed = f" failed: {out.stderr.strip()}" if out.returncode else ""
             done.append(f"unmounted {mount}{failed}")
-    if shm:
-        still = _shm_held(None)
-        for path in sorted(shm - still):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                done.append(f"removed {path}")
+    done.extend(f"removed {path}" for path in remove_unheld(shm))
     return done
 
 

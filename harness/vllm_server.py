@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tierstore.cli.ports import free_port
 
 from . import REPO, child_env
-from .reaper import forget_process, watch_process
+from .reaper import forget_process, group_shm, remove_unheld, watch_process
 
 BLOCK = 128
 START_S = 300.0
@@ -67,13 +67,17 @@ def http_server(
     answers 200 (at most ``start_s``; ``excerpt(log)`` is in the error).
     Stopped by process group: SIGTERM, ``stop_s`` for it to exit, then SIGKILL
     to whatever is left of the group (an engine core and its workers may
-    outlive the server itself). Yields the server's process (a test may
-    kill its group: ``os.killpg(proc.pid, SIGKILL)``)."""
+    outlive the server itself); then the /dev/shm files the group held once
+    it was serving (vLLM's shared-memory queues: their resource tracker
+    dies with the group, which left 400 MB behind each run) are removed
+    unless a live process still holds them. Yields the server's process (a
+    test may kill its group: ``os.killpg(proc.pid, SIGKILL)``)."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     watch_process(proc.pid, group=True)
+    shm: set[Path] = set()
     try:
         deadline = time.monotonic() + start_s
         while True:
@@ -84,8 +88,10 @@ def http_server(
                 why = f"exited {proc.poll()}" if proc.poll() is not None else "no /health"
                 raise RuntimeError(f"server {why} within {start_s:.0f} s:\n{excerpt(log)}")
             time.sleep(POLL_S)
+        shm = group_shm(proc.pid)
         yield proc
     finally:
+        shm |= group_shm(proc.pid)  # and what it made since (none if a test killed it)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -94,6 +100,7 @@ def http_server(
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(stop_s)
         forget_process(proc.pid)
+        remove_unheld(shm)
 
 
 @contextlib.contextmanager
