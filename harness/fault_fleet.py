@@ -142,6 +142,10 @@ class FaultFleet(Started):
             "remote_region=us-east-1", f"remote_credentials_file={self.credentials}",
         )  # fmt: skip
 
+    def client(self, i: int) -> StoreClient:
+        """A probe's client of host i (bounded connect and calls)."""
+        return StoreClient(self.sockets[i], connect_timeout_s=2.0, call_timeout_s=10.0)
+
     def counters(self, i: int) -> dict[str, int]:
         """Host i's sidecar counters, and the TCP segments its namespace
         retransmitted (``tcp_retransmits``); {} while it does not answer."""
@@ -250,11 +254,11 @@ class FaultFleet(Started):
         """A chain stored on host 1 loads whole on host 0, pulled over the link."""
         keys = self._next_chain()
         try:
-            with StoreClient(self.sockets[1], connect_timeout_s=2.0, call_timeout_s=10.0) as b:
+            with self.client(1) as b:
                 if not all(b.store(LAYOUT, keys, blocks_of(keys))):
                     self.last_probe = "host 1 refused the probe's store"
                     return False
-            with StoreClient(self.sockets[0], connect_timeout_s=2.0, call_timeout_s=10.0) as a:
+            with self.client(0) as a:
                 res = a.load(LAYOUT, keys, include_peers=True, deadline_s=3.0)
         except TierstoreError as e:
             self.last_probe = str(e)
@@ -275,7 +279,7 @@ class FaultFleet(Started):
     def _durable_turn(self) -> bool:
         keys = self._next_chain(8)
         try:
-            with StoreClient(self.sockets[0], connect_timeout_s=2.0, call_timeout_s=10.0) as a:
+            with self.client(0) as a:
                 a.store(LAYOUT, keys, blocks_of(keys))
                 reply = a.end_turn("probe", LAYOUT, keys, len(keys) * LAYOUT.block_tokens,
                                    durable=True, durable_timeout_s=2.0)  # fmt: skip

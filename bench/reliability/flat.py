@@ -34,20 +34,17 @@ from tqdm import tqdm
 from bench.reliability.faults import Load
 from harness.fault_fleet import FaultFleet
 from harness.reliability import stop_forkserver
+from harness.sidecar import SidecarProcess
 
 FIGURES = ("rss_kib", "anon_kib", "fds", "threads")
 
 
-def sample(pid: int) -> dict[str, int]:
-    """RSS and anonymous RSS (KiB), open fds and threads of ``pid``."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if name in ("VmRSS", "RssAnon", "Threads"):
-                out[name] = int(value.split()[0])
-    return {"rss_kib": out["VmRSS"], "anon_kib": out["RssAnon"],
-            "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": out["Threads"]}  # fmt: skip
+def sample(sidecar: SidecarProcess) -> dict[str, int]:
+    """The sidecar's RSS and anonymous RSS (KiB), open fds and threads."""
+    mem, pid = sidecar.memory_kib(), sidecar.pid
+    return {"rss_kib": mem["VmRSS"], "anon_kib": mem["RssAnon"],
+            "fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": len(os.listdir(f"/proc/{pid}/task"))}  # fmt: skip
 
 
 def thread_names(pid: int) -> dict[str, int]:
@@ -90,7 +87,8 @@ def run(minutes: float, warmup_min: float, sample_s: float, workdir: Path) -> di
                 for i, pid in enumerate(pids):
                     if not fleet.sidecars[i].alive() or fleet.sidecars[i].pid != pid:
                         raise RuntimeError(f"sidecar {i} died during the soak")
-                    series[i].append({"t": round(time.monotonic() - start, 1), **sample(pid)})
+                    t = round(time.monotonic() - start, 1)
+                    series[i].append({"t": t, **sample(fleet.sidecars[i])})
                 if not named["after_warmup"] and time.monotonic() - start >= warmup_min * 60:
                     named["after_warmup"] = [thread_names(pid) for pid in pids]
             named["end"] = [thread_names(pid) for pid in pids]
