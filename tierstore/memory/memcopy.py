@@ -23,6 +23,7 @@ Runs in whichever process and thread calls it; the C loop releases the GIL.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,22 @@ RUNS_LOOP = _C_RUNS_LOOP if _c_copy_runs is not None else "numpy"
 (not x86-64), ``numpy`` (no C extension)."""
 
 MAX_COPY_THREADS = 64
+AUTO_COPY_THREADS = 4  # copy_threads 0: the cores this thread may run on, at most this many
+
+
+def copy_thread_count(requested: int) -> int:
+    """Threads for ``copy_runs`` from an engine setting ``copy_threads``:
+    ``requested`` itself (1-64), or for 0 the cores the calling thread may
+    run on, at most ``AUTO_COPY_THREADS`` (more streams than cores only
+    take turns; two reached one VM's bandwidth, see the module docstring).
+    Raises ValueError, naming the setting, for anything else."""
+    if isinstance(requested, bool) or not isinstance(requested, int):
+        raise ValueError(f"copy_threads must be a whole number, got {requested!r}")
+    if not 0 <= requested <= MAX_COPY_THREADS:
+        raise ValueError(f"copy_threads must be 0 (auto) to {MAX_COPY_THREADS}, got {requested}")
+    if requested:
+        return requested
+    return max(1, min(AUTO_COPY_THREADS, len(os.sched_getaffinity(0))))
 
 
 def set_runs_loop(name: str) -> str:

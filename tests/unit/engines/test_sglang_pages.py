@@ -14,14 +14,9 @@ import pytest
 import torch
 
 from tierstore.engines.sglang.keys import block_keys
-from tierstore.engines.sglang.layout import (
-    AUTO_COPY_THREADS,
-    StorageSettings,
-    host_pages,
-    storage_layout,
-)
+from tierstore.engines.sglang.layout import StorageSettings, host_pages, storage_layout
 from tierstore.engines.sglang.pages import HostPages, PageLayoutError, PageShape
-from tierstore.memory.memcopy import copy_runs
+from tierstore.memory.memcopy import AUTO_COPY_THREADS, copy_runs
 
 L, PS, H, D = 3, 4, 2, 5
 PAGES = 3

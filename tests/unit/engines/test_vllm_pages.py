@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from tierstore.engines.vllm.layout import ConnectorSettings
+from tierstore.engines.vllm.link import StoreLink
 from tierstore.engines.vllm.pages import CpuPageMover, PagedKV, PageLayoutError
+from tierstore.engines.vllm.worker import ConnectorWorker
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
@@ -152,3 +157,41 @@ def test_mover_refuses_a_block_id_outside_the_pages() -> None:
         mover.to_pages(0, [(0, 6)])
     with pytest.raises(IndexError, match="block id"):
         mover.from_pages(0, [(0, -1)])
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threaded_copies_move_the_same_bytes(threads: int) -> None:
+    # 8 blocks of 1 MiB a layer out and back: 8 MiB of runs, so copy_runs starts helpers.
+    layer_bytes, num_blocks = 1 << 20, 12
+    src = {n: torch.randint(0, 255, (num_blocks, layer_bytes), dtype=torch.uint8) for n in LAYERS}
+    one = {n: torch.zeros(num_blocks, layer_bytes, dtype=torch.uint8) for n in LAYERS}
+    many = {n: torch.zeros(num_blocks, layer_bytes, dtype=torch.uint8) for n in LAYERS}
+    arena = torch.zeros(8 * 2 * layer_bytes, dtype=torch.uint8)
+    slot = 2 * layer_bytes  # an arena slot holds a block's two layers
+    pairs = [[(s * slot + layer * layer_bytes, 11 - s) for s in range(8)] for layer in range(2)]
+    out = CpuPageMover(PagedKV(src, LAYERS, layer_bytes), arena, threads)
+    for layer in range(2):
+        out.from_pages(layer, pairs[layer])
+    for dst, t in ((one, 1), (many, threads)):
+        mover = CpuPageMover(PagedKV(dst, LAYERS, layer_bytes), arena, t)
+        for layer in range(2):
+            mover.to_pages(layer, pairs[layer])
+    for n in LAYERS:
+        assert torch.equal(one[n], many[n])
+        assert torch.equal(many[n][4:], src[n][4:])  # blocks 4-11 went out and back
+        assert not many[n][:4].any()
+
+
+def test_the_worker_copies_on_the_configured_threads(tmp_path) -> None:
+    caches = cpu_caches()
+    for setting, want in ((3, 3), (0, min(4, len(os.sched_getaffinity(0))))):
+        settings = ConnectorSettings(socket_path=str(tmp_path / "none.sock"), async_loads=False,
+                                     copy_threads=setting)  # fmt: skip
+        link = StoreLink(settings, "test")
+        try:
+            worker = ConnectorWorker(link, settings, lambda salt: (), 0)
+            worker.register(caches, LAYERS, 2 * 4 * 16 * 2)
+            mover = worker._new_mover(torch.zeros(1 << 12, dtype=torch.uint8))
+        finally:
+            link.close()
+        assert isinstance(mover, CpuPageMover) and mover.threads == want

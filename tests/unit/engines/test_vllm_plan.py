@@ -226,6 +226,10 @@ def test_settings_are_validated() -> None:
         ConnectorSettings.from_extra({"socket": "/x"})
     with pytest.raises(ValueError, match="reconnect_s"):
         ConnectorSettings.from_extra({"reconnect_s": 0})
+    assert ConnectorSettings.from_extra({"copy_threads": 2}).copy_threads == 2
+    for bad in (-1, 65, 1.5, True):
+        with pytest.raises(ValueError, match="copy_threads"):
+            ConnectorSettings.from_extra({"copy_threads": bad})
 
 
 # -- hybrid models: vLLM's KV cache groups ------------------------------------------------

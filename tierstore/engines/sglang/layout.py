@@ -12,7 +12,6 @@ tested without SGLang.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -20,9 +19,7 @@ import torch
 
 from tierstore.engines.sglang.pages import HostPages, PageLayoutError, PageShape
 from tierstore.keys import KVLayout
-from tierstore.memory.memcopy import MAX_COPY_THREADS
-
-AUTO_COPY_THREADS = 4  # copy_threads=0: at most this many (two reach it on one VM, see memcopy)
+from tierstore.memory.memcopy import copy_thread_count
 
 # HiCacheStorageConfig.extra_config keys that are SGLang's, not ours.
 _SGLANG_KEYS = frozenset(
@@ -62,20 +59,14 @@ class StorageSettings:
             value = getattr(settings, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        threads = settings.copy_threads
-        if isinstance(threads, bool) or not isinstance(threads, int):
-            raise ValueError(f"copy_threads must be a whole number, got {threads!r}")
-        if not 0 <= threads <= MAX_COPY_THREADS:
-            raise ValueError(f"copy_threads must be 0 (auto) to {MAX_COPY_THREADS}, got {threads}")
+        copy_thread_count(settings.copy_threads)  # raises for a bad value
         if not isinstance(settings.include_peers, bool):
             raise ValueError(f"include_peers must be true or false, got {settings.include_peers!r}")
         return settings
 
     def copy_thread_count(self) -> int:
         """``copy_threads``, with 0 resolved against this process's cores."""
-        if self.copy_threads:
-            return self.copy_threads
-        return max(1, min(AUTO_COPY_THREADS, len(os.sched_getaffinity(0))))
+        return copy_thread_count(self.copy_threads)
 
 
 def storage_layout(config: Any, shape: PageShape, settings: StorageSettings) -> KVLayout:

@@ -40,6 +40,7 @@ from typing import Any
 import blake3
 
 from tierstore.keys import DTYPE_BYTES, KVLayout
+from tierstore.memory.memcopy import copy_thread_count
 
 # Config fields that do not change the KV a model computes.
 _VOLATILE_CONFIG_FIELDS = frozenset(
@@ -79,6 +80,10 @@ class ConnectorSettings:
     # pushed out gets no BlockRemoved when it leaves.
     removed_events_max_blocks: int = 100_000
     removed_events_stream_s: float = 30.0  # one WatchBlocks stream's deadline, then reopened
+    # Threads for one layer's copies between vLLM's pages and the arena on the
+    # CPU (vLLM-CPU; a GPU's copies are DMA). 0 = the cores the copying thread
+    # may run on, at most 4 (memcopy.copy_thread_count; measured in docs/benchmarks.md).
+    copy_threads: int = 0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -102,6 +107,7 @@ class ConnectorSettings:
         ):
             if not getattr(settings, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(settings, name)!r}")
+        copy_thread_count(settings.copy_threads)  # raises for a bad value
         if settings.removed_events_peer and not settings.removed_events_token_file:
             raise ValueError("removed_events_peer needs removed_events_token_file")
         return settings

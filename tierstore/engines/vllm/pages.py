@@ -81,12 +81,13 @@ class PageMover(Protocol):
 
 
 class CpuPageMover:
-    """Synchronous copies on the calling thread: one ``copy_runs`` per layer
-    (its GIL-free C loop copies every block's planes of that layer). One
-    thread: on the 2-core VM a second one added no bandwidth (``_fastcopy.c``),
-    and vLLM-CPU pins the worker to its OpenMP cores."""
+    """Synchronous copies: one ``copy_runs`` per layer (its GIL-free C loop
+    copies every block's planes of that layer) on ``threads`` threads, the
+    calling one and helpers started for the call (``copy_runs``: at most one
+    per 4 MiB of the layer's runs)."""
 
-    def __init__(self, paged: PagedKV, arena: torch.Tensor) -> None:
+    def __init__(self, paged: PagedKV, arena: torch.Tensor, threads: int = 1) -> None:
+        self.threads = threads
         self.arena = arena.numpy()
         self.pages = [p.numpy() for p in paged.pages]
         self.inner = paged.inner
@@ -108,11 +109,11 @@ class CpuPageMover:
 
     def to_pages(self, layer: int, pairs: Pairs) -> None:
         arena, page = self._runs(pairs)
-        copy_runs(self.pages[layer], self.arena, page, arena, self.inner)
+        copy_runs(self.pages[layer], self.arena, page, arena, self.inner, self.threads)
 
     def from_pages(self, layer: int, pairs: Pairs) -> None:
         arena, page = self._runs(pairs)
-        copy_runs(self.arena, self.pages[layer], arena, page, self.inner)
+        copy_runs(self.arena, self.pages[layer], arena, page, self.inner, self.threads)
 
     def layer_ready(self, layer: int) -> None:
         return

@@ -39,6 +39,7 @@ from tierstore.engines.vllm.pages import CpuPageMover, PagedKV, PageLayoutError,
 from tierstore.engines.vllm.plan import NULL_BLOCK_ID, GroupIds, LoadSpec, SaveSpec
 from tierstore.errors import TierstoreError
 from tierstore.keys import BlockKey, KVLayout
+from tierstore.memory.memcopy import copy_thread_count
 
 log = logging.getLogger("tierstore.engines.vllm")
 
@@ -120,7 +121,10 @@ class ConnectorWorker:
             from tierstore.engines.vllm.cuda import CudaPageMover
 
             return CudaPageMover(self.paged, arena)
-        return CpuPageMover(self.paged, arena)
+        # Resolved on the thread that copies (the model's or the loader's):
+        # vLLM-CPU binds the model's thread to one core, and a thread's
+        # helpers run where it may.
+        return CpuPageMover(self.paged, arena, copy_thread_count(self.settings.copy_threads))
 
     def _client_and_mover(self) -> tuple[StoreClient, PageMover] | None:
         client = self.link.client()
