@@ -1,7 +1,7 @@
 """What an operator sees of writes, drains and the arena: ``tierstore stat``
 (table and JSON) and ``/metrics`` show the write policy and its queue, the
-arena's page size and populated share, and after a graceful restart the last
-drain's figures."""
+arena's page size, populated and huge-page shares and lock, and after a
+graceful restart the last drain's figures."""
 
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ def test_stat_and_metrics_show_writes_drain_and_arena(tmp_path: Path) -> None:
             # Root here: the arena is locked (dram_lock = "auto"), and stat says how much.
             assert c["arena_locked_bytes"] >= c["arena_bytes"]
             assert f"locked {c['arena_locked_bytes'] / 2**20:.0f} MiB" in table, table
+            # The sidecar's own mapping; on a /dev/shm without huge= (here): no huge pages.
+            assert "arena_huge_bytes" in c
+            if c["arena_page_bytes"] == 4096:
+                assert c["arena_huge_bytes"] == 0 and "  no huge pages  " in table, table
             assert c["write_queue_bound_bytes"] == 256 << 20
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
                 text = r.read().decode()
@@ -59,6 +63,7 @@ def test_stat_and_metrics_show_writes_drain_and_arena(tmp_path: Path) -> None:
             assert "# TYPE tierstore_write_queue_bytes gauge" in text
             assert "# TYPE tierstore_arena_populated_bytes gauge" in text
             assert "# TYPE tierstore_arena_locked_bytes gauge" in text
+            assert "# TYPE tierstore_arena_huge_bytes gauge" in text
             assert "tierstore_write_queued_total 20.0" in text
     finally:
         assert proc.stop() == 0

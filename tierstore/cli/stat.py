@@ -231,6 +231,19 @@ def _remote_line(c: dict[str, int]) -> str:
     )
 
 
+def _huge_share(c: dict[str, int]) -> str:
+    """How much of the arena's populated memory the sidecar maps with huge
+    pages; "" from a sidecar that does not say."""
+    if "arena_huge_bytes" not in c:
+        return ""
+    huge = c["arena_huge_bytes"]
+    if not huge:
+        return "no huge pages"
+    # Populated is counted a moment apart from huge (a populator may be running).
+    populated = max(c.get("arena_populated_bytes", 0), huge)
+    return f"huge pages {100 * huge / populated:.0f}%"
+
+
 def _restart_lines(info: dict[str, str], c: dict[str, int]) -> list[str]:
     """The write policy and its queue, the last drain, the arena's pages."""
     lines = []
@@ -267,8 +280,8 @@ def _restart_lines(info: dict[str, str], c: dict[str, int]) -> list[str]:
         lock = info.get("arena_lock", "")
         if lock.startswith("locked"):
             lock = f"locked {c.get('arena_locked_bytes', 0) / 2**20:.0f} MiB"
-        line = f"arena     pages {info['arena_page']}  populated {share:.0f}%  {lock}"
-        lines.append(line.rstrip())
+        parts = [f"pages {info['arena_page']}", f"populated {share:.0f}%", _huge_share(c), lock]
+        lines.append("arena     " + "  ".join(p for p in parts if p))
     if c.get("nvme_disk_full", 0) or c.get("nvme_full_rechecks", 0):
         lines.append(
             "disk      full now {}  full events {}  re-checks {}  resumed {}  "

@@ -17,7 +17,8 @@ for the arena's first units before it serves) and populates the rest in the
 background (``populate``, a unit at a time, from past the last range a first
 use prepared); an engine calls it (page tables only) before its first copy
 into a unit. Transparent huge pages are asked for with ``MADV_HUGEPAGE``;
-``page_bytes`` / ``page_kind`` say what the kernel gives.
+``page_bytes`` / ``page_kind`` say what the kernel should give, ``huge_bytes``
+how much of this process's mapping it maps with huge pages now.
 
 Thread-safe: the lock guards only which units are ready or claimed; the
 system calls run outside it, so a first use never waits for the populator (a
@@ -52,6 +53,10 @@ UNIT_BYTES = 2 << 20  # preparation unit: one x86-64 huge page (larger huge page
 MADV_POPULATE_WRITE = 23  # linux/mman.h; Python's mmap module names it only on 3.12+
 MADV_HUGEPAGE = 14
 MLOCK_ONFAULT = 1  # linux/mman.h: lock each page as it is faulted in, not all at once
+# /proc/PID/smaps fields of a mapping's memory mapped with huge pages: THP of
+# tmpfs (Shmem; File on kernels that count it so) and hugetlbfs pages.
+_SMAPS_HUGE = (b"ShmemPmdMapped:", b"FilePmdMapped:", b"Shared_Hugetlb:", b"Private_Hugetlb:")
+_HEX_DIGITS = b"0123456789abcdef"  # a VMA's header starts with its address, a field with a capital
 
 
 def _libc(name: str, flags: Any) -> Any:
@@ -416,6 +421,27 @@ class Arena:
             return f"mlock2 failed: {os.strerror(err)} (the memory-lock limit is {shown})"
         self.locked = True
         return ""
+
+    def huge_bytes(self) -> int:
+        """Bytes of this process's mapping of the arena that the kernel maps
+        with huge pages now (from /proc/self/smaps; 0 if unreadable). Reads
+        the whole file, the kernel walking every mapping's page tables: for
+        stat and scrapes, not per operation."""
+        if self._fd < 0:  # closed: the address may hold another mapping now
+            return 0
+        start, end = self._address, self._address + self.size_bytes
+        total, inside = 0, False
+        try:
+            with open("/proc/self/smaps", "rb") as f:
+                for line in f:
+                    if line[0] in _HEX_DIGITS:
+                        low, _, high = line.partition(b" ")[0].partition(b"-")
+                        inside = int(low, 16) < end and int(high, 16) > start
+                    elif inside and line.startswith(_SMAPS_HUGE):
+                        total += int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            return 0
+        return total
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """A zero-copy view of ``nbytes`` at ``offset``."""

@@ -5,8 +5,9 @@ Provides ``store_stat``, which gathers them from the parts it is given (the
 local tiers, the store's counters, the NVMe tier's, the writer's and the
 remote tier's, the last drain's report, the arena), and ``STORE_GAUGES``:
 which of the figures under "store" can go down (gauges, not counters, for
-/metrics). Reads only: no locks of its own, no I/O. Runs on the thread that
-asks (a gRPC handler or a metrics scrape, sidecar process).
+/metrics). Reads only: no locks of its own, no I/O but /proc (the arena's
+locked and huge-page memory). Runs on the thread that asks (a gRPC handler
+or a metrics scrape, sidecar process).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ STORE_GAUGES = (
         "arena_populated_bytes",
         "arena_page_bytes",
         "arena_locked_bytes",
+        "arena_huge_bytes",
         "last_drain_blocks",
         "last_drain_bytes",
         "last_drain_dropped_blocks",
@@ -71,6 +73,7 @@ def store_stat(
     figures["arena_populated_bytes"] = arena.populated_bytes
     figures["arena_page_bytes"] = arena.page_bytes
     figures["arena_locked_bytes"] = locked_bytes() if arena.locked else 0
+    figures["arena_huge_bytes"] = arena.huge_bytes()
     if remote is not None:  # remote tier (outside tiers: it is asked per layout)
         by_tier[str(TierName.REMOTE)] = remote.stats()
         figures.update(remote.counters.snapshot())
