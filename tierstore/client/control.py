@@ -32,6 +32,11 @@ from tierstore.keys import BlockKey, KVLayout
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
 
 MAX_MESSAGE_BYTES = 4 << 20  # control messages only: block bytes go through the arena
+RECONNECT_OPTIONS = (  # a local socket: cheap to try again soon
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 
 class ControlChannel:
@@ -56,6 +61,11 @@ class ControlChannel:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # A sidecar still starting (an engine and its sidecar started
+                # together) is asked again every 0.1 s, not after gRPC's 1 s
+                # first backoff: the attach follows the sidecar's start by
+                # 0.1 s at most (bench/tiers/restart.py's serve_ready_s).
+                *RECONNECT_OPTIONS,
             ],
         )
         try:
