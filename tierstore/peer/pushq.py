@@ -1,13 +1,18 @@
-"""The queue of end_turn replica pushes: one push in flight per target, oldest first.
+"""The queue of end_turn replica pushes: a few in flight per target, oldest first.
 
 Provides ``PushQueue``. The peer tier's replicator threads take pushes from
-it; each target (a link) carries one push at a time, and a target's pushes
-go in the order their turns ended. Four pushes in flight to one target had
+it; each target (a link) carries at most ``per_target`` pushes at a time,
+and a target's pushes go in the order their turns ended. Four pushes in flight to one target had
 shared its link four ways, so each finished up to four times later than
 alone: the next turn of every session behind them found its replica
 incomplete (``push_late``). One at a time, the oldest turn's replica is
 complete first, and a session whose turn ended last waits for the ones
-before it rather than slowing them all. Pushes to other targets are not
+before it rather than slowing them all. But one at a time left the link
+idle during each push's set-up (the Replicate call, the target's checks,
+its OpenFetch call and the data connection: three round trips, each behind
+the queue of a busy shaped link), which cost more than the bytes at the
+scale of the switch bench; with two, the next push's set-up overlaps the
+one before's bytes (``bench.switch``, docs/benchmarks.md). Pushes to other targets are not
 held up by a slow or dead one: a free replicator takes the oldest push
 whose target is free.
 
@@ -32,10 +37,13 @@ T = TypeVar("T", bound=_HasTarget)
 class PushQueue(Generic[T]):
     """See the module docstring."""
 
-    def __init__(self, max_items: int) -> None:
+    def __init__(self, max_items: int, per_target: int = 1) -> None:
+        if per_target < 1:
+            raise ValueError(f"PushQueue: per_target must be >= 1, got {per_target}")
         self._max_items = max_items
+        self._per_target = per_target
         self._queued: dict[str, deque[tuple[int, T]]] = {}  # target -> its pushes, oldest first
-        self._busy: set[str] = set()  # targets with a push in flight
+        self._busy: dict[str, int] = {}  # target -> its pushes in flight (absent: none)
         self._count = 0
         self._seq = 0
         self._closed = False
@@ -53,8 +61,8 @@ class PushQueue(Generic[T]):
             return True
 
     def get(self) -> T | None:
-        """The oldest push whose target has none in flight (it is then in
-        flight until ``done``); None once closed."""
+        """The oldest push whose target has fewer than ``per_target`` in
+        flight (it is then in flight until ``done``); None once closed."""
         with self._cond:
             while True:
                 if self._closed:
@@ -62,7 +70,7 @@ class PushQueue(Generic[T]):
                 ready = [
                     (q[0][0], target)
                     for target, q in self._queued.items()
-                    if q and target not in self._busy
+                    if q and self._busy.get(target, 0) < self._per_target
                 ]
                 if ready:
                     _, target = min(ready)
@@ -70,7 +78,7 @@ class PushQueue(Generic[T]):
                     _, item = queue.popleft()
                     if not queue:
                         del self._queued[target]
-                    self._busy.add(target)
+                    self._busy[target] = self._busy.get(target, 0) + 1
                     self._count -= 1
                     return item
                 self._cond.wait()
@@ -78,7 +86,11 @@ class PushQueue(Generic[T]):
     def done(self, item: T) -> None:
         """``item``'s push ended: its target may carry the next one."""
         with self._cond:
-            self._busy.discard(item.target)
+            left = self._busy.get(item.target, 0) - 1
+            if left > 0:
+                self._busy[item.target] = left
+            else:
+                self._busy.pop(item.target, None)
             self._cond.notify_all()
 
     def drain(self) -> list[T]:

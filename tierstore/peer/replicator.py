@@ -5,8 +5,8 @@ and hands ``stream`` and ``end_turn`` to. ``stream`` offers the blocks a
 session's running turn commits to the ``ReplicaStreamer``
 (``tierstore.peer.stream``), which pushes them as they come; ``end_turn``
 remembers a session's keys and queues the push of what its replica still
-lacks (``tierstore.peer.pushq``: one push in flight per target). Whether a
-session is replicated is the replication policy's decision
+lacks (``tierstore.peer.pushq``: ``replicate_per_target`` pushes in flight
+per target). Whether a session is replicated is the replication policy's decision
 (``tierstore.policies``), given the push, the link rate measured to the
 target (or the configured default), the bytes already queued and whether
 the target rejected blocks on its last push.
@@ -46,7 +46,7 @@ from tierstore.workers import Workers
 _faults = RateLimitedLog(logging.getLogger("tierstore.peer.tier"))  # per kind and target
 
 MAX_SESSIONS = 4096  # sessions whose last turn's keys are remembered
-REPLICATOR_THREADS = 4  # replica pushes in flight at once
+REPLICATOR_THREADS = 4  # pushes in flight at once to all targets, with one a target
 
 
 @dataclass
@@ -89,13 +89,13 @@ class Replicator:
         self.policy = make_replication_policy(
             cfg.replicate_policy, cfg.min_tokens, cfg.replicate_headroom_s, cfg.link_bytes_per_s
         )
-        # One push in flight per target, oldest first (tierstore.peer.pushq);
-        # several workers: one slow or dead target must not hold up the
-        # pushes to the others.
-        self._pushes: PushQueue[Push] = PushQueue(cfg.replicate_queue_max)
+        # A few pushes in flight per target, oldest first (tierstore.peer.pushq);
+        # more workers than that: one slow or dead target must not hold up
+        # the pushes to the others.
+        self._pushes: PushQueue[Push] = PushQueue(cfg.replicate_queue_max, cfg.replicate_per_target)
         self._replicators = [
             workers.start(f"tierstore-replicator-{i}", self._replicate_loop)
-            for i in range(REPLICATOR_THREADS)
+            for i in range(REPLICATOR_THREADS + cfg.replicate_per_target - 1)
         ]
         self.streamer = ReplicaStreamer(
             self._stream_push,

@@ -1,10 +1,13 @@
-"""PushQueue: one push in flight per target, the oldest first, a busy target
-not holding up the others, the bound, and close waking every waiter."""
+"""PushQueue: one push (or ``per_target``) in flight per target, the oldest
+first, a busy target not holding up the others, the bound, and close waking
+every waiter."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+
+import pytest
 
 from tierstore.peer.pushq import PushQueue
 
@@ -32,6 +35,27 @@ def test_one_in_flight_per_target_oldest_first() -> None:
     waiter.join(WAIT_S)
     assert [p.name for p in got if p] == ["a2"]
     q.close()
+
+
+def test_per_target_pushes_in_flight_and_no_more() -> None:
+    q: PushQueue[P] = PushQueue(8, per_target=2)
+    for name in ("a1", "a2", "a3"):
+        assert q.put(P("A", name))
+    q.put(P("B", "b1"))
+    a1, a2, b1 = q.get(), q.get(), q.get()  # two to A, then B: A is full although a3 is older
+    assert [p.name for p in (a1, a2, b1) if p] == ["a1", "a2", "b1"]
+    got: list[P | None] = []
+    waiter = threading.Thread(target=lambda: got.append(q.get()))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and not got  # a3 waits for one of A's two
+    assert a2 is not None
+    q.done(a2)
+    waiter.join(WAIT_S)
+    assert [p.name for p in got if p] == ["a3"]
+    q.close()
+    with pytest.raises(ValueError, match="per_target"):
+        PushQueue(8, per_target=0)
 
 
 def test_a_busy_target_does_not_hold_up_another() -> None:
