@@ -3,10 +3,14 @@
 Measures, each next to the limit measured in the same run:
 - ``serve_ready_s`` / ``attach_s`` at 1, 4 and 8 GiB arenas: a real
   ``tierstore serve`` from spawn until its first Stat RPC is answered, and a
-  ``StoreClient`` attach (``dram_populate = "background"``); the same at the
-  smallest size with ``upfront`` (what start-up cost before). Both modes
-  are started the same number of times (``--start-runs``, 3), interleaved
-  round by round; each figure is the median, every run is in ``*_runs``;
+  ``StoreClient`` attach (``dram_populate = "background"``, the arena locked
+  as it is faulted in: ``dram_lock = "auto"``, the default); the same at the
+  smallest size with ``upfront`` (what start-up cost before) and at the
+  largest with the arena not locked (``*_unlocked``: what locking costs);
+  ``populated_s`` until the background populator has faulted in the whole
+  arena, and ``locked_bytes`` then. Every mode is started the same number
+  of times (``--start-runs``, 3), interleaved round by round; each figure
+  is the median, every run is in ``*_runs``;
 - ``fresh_put_gbps``: DRAM puts into units nobody touched yet (the store
   prepares each on first use) and an engine-side copy into a fresh unit of
   its own mapping, against memcpy and against a plain first-touch copy;
@@ -51,14 +55,20 @@ def blocks(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
     return list(keys), data
 
 
-def bench_start(tmp: Path, size: int, populate: str) -> tuple[float, float]:
-    """One sidecar start: (serve_ready_s, attach_s). serve_ready_s runs from
-    the spawn until the first Stat RPC has been answered (the attach, and any
-    retry of it while the sidecar is still coming up, included); attach_s is
-    the successful ``StoreClient(...)`` alone."""
+def bench_start(
+    tmp: Path, size: int, populate: str, lock: str = "auto"
+) -> tuple[float, float, float, int]:
+    """One sidecar start: (serve_ready_s, attach_s, populated_s,
+    locked_bytes). serve_ready_s runs from the spawn until the first Stat
+    RPC has been answered (the attach, and any retry of it while the sidecar
+    is still coming up, included); attach_s is an engine's
+    ``StoreClient(...)`` once it serves; populated_s from the spawn until the
+    sidecar's Stat shows the whole arena populated (its background
+    populator done), when ``locked_bytes`` is its ``arena_locked_bytes``
+    (``dram_lock = lock``: ``auto`` locks pages as they are faulted in)."""
     from tierstore.client import StoreClient
 
-    settings = (*BENCH_SETTINGS, f"dram_populate={populate}", "nvme_bytes=0")
+    settings = (*BENCH_SETTINGS, f"dram_populate={populate}", "nvme_bytes=0", f"dram_lock={lock}")
     sidecar = SidecarProcess(
         tmp, dram=str(size), nvme="1GiB", settings=settings, die_with_parent=True
     )
@@ -68,9 +78,7 @@ def bench_start(tmp: Path, size: int, populate: str) -> tuple[float, float]:
         deadline = started + 120
         while True:
             try:
-                t0 = time.monotonic()
                 with StoreClient(str(sidecar.socket)) as client:
-                    attach = time.monotonic() - t0
                     client.stat()
                     ready = time.monotonic() - started
                 break
@@ -78,34 +86,47 @@ def bench_start(tmp: Path, size: int, populate: str) -> tuple[float, float]:
                 if time.monotonic() > deadline or not sidecar.alive():
                     raise
                 time.sleep(0.02)
+        t0 = time.monotonic()
+        with StoreClient(str(sidecar.socket)) as client:  # an engine attaching to it now
+            attach = time.monotonic() - t0
+        while True:
+            counters = sidecar.stat().counters
+            if counters["arena_populated_bytes"] >= size or time.monotonic() > deadline:
+                populated = time.monotonic() - started
+                locked = int(counters["arena_locked_bytes"])
+                break
+            time.sleep(0.05)
     finally:
         sidecar.stop(timeout_s=20.0)
         remove_arenas(sidecar.pid)
-    return ready, attach
+    return ready, attach, populated, locked
 
 
 def bench_starts(tmp: Path, sizes: list[int], runs: int) -> dict[str, object]:
     """``runs`` rounds, each one start per size with ``background`` and one at
-    the smallest size with ``upfront``, interleaved (the drift of a shared
-    machine hits both modes alike). Every run is reported (``*_runs``) and
-    each figure is the median of its runs."""
-    cases = [(gib, "background", f"{gib}gib") for gib in sizes]
-    cases.append((sizes[0], "upfront", f"{sizes[0]}gib_upfront"))
-    ready: dict[str, list[float]] = {name: [] for _, _, name in cases}
-    attach: dict[str, list[float]] = {name: [] for _, _, name in cases}
+    the smallest size with ``upfront``, and one at the largest with the arena
+    not locked (``dram_lock = off``: what locking costs), interleaved (the
+    drift of a shared machine hits every mode alike). Every run is reported
+    (``*_runs``) and each figure is the median of its runs."""
+    cases = [(gib, "background", "auto", f"{gib}gib") for gib in sizes]
+    cases.append((sizes[0], "upfront", "auto", f"{sizes[0]}gib_upfront"))
+    cases.append((sizes[-1], "background", "off", f"{sizes[-1]}gib_unlocked"))
+    figures = ("serve_ready_s", "attach_s", "populated_s", "locked_bytes")
+    runs_of: dict[str, dict[str, list[float]]] = {
+        name: {f: [] for f in figures} for *_, name in cases
+    }
     for r in range(runs):
-        for gib, populate, name in cases:
+        for gib, populate, lock, name in cases:
             d = tmp / f"start-{name}-{r}"
             d.mkdir()
-            x, y = bench_start(d, gib << 30, populate)
-            ready[name].append(x)
-            attach[name].append(y)
+            for f, x in zip(figures, bench_start(d, gib << 30, populate, lock)):
+                runs_of[name][f].append(x)
     out: dict[str, object] = {"starts_per_case": runs}
-    for _, _, name in cases:
-        out[f"serve_ready_s_{name}"] = statistics.median(ready[name])
-        out[f"serve_ready_s_{name}_runs"] = [round(x, 3) for x in ready[name]]
-        out[f"attach_s_{name}"] = statistics.median(attach[name])
-        out[f"attach_s_{name}_runs"] = [round(y, 4) for y in attach[name]]
+    for *_, name in cases:
+        for f in figures:
+            xs = runs_of[name][f]
+            out[f"{f}_{name}"] = statistics.median(xs)
+            out[f"{f}_{name}_runs"] = [round(x, 4) if f != "locked_bytes" else x for x in xs]
     return out
 
 
