@@ -61,6 +61,8 @@ this VM memory left idle for tens of seconds is slow to touch again
 since the sidecar started; a GPU host pins both (and its VM, with the GPU
 passed through, all its memory), so this measures the copies as such a
 host meets them. The default (0) measures them as this VM meets them.
+``arena_pinned``: the sidecar's arena was locked in memory (``dram_lock``,
+on by default; ``arena_locked_bytes`` from its stat after the runs).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from typing import Any
 from bench.limits import emit, ratio
 from harness import REPO
 from harness.sidecar import bench_sidecar
+from tierstore.client import StoreClient
 from tierstore.memory.memcopy import RUNS_LOOP
 
 MODEL = {"layers": 32, "heads": 8, "head_dim": 128, "dtype": "bfloat16"}
@@ -169,10 +172,15 @@ def main() -> int:
                 sys.stderr.write(proc.stderr[-6000:])
                 return 1
             results = json.loads(proc.stdout.strip().splitlines()[-1])
+            with StoreClient(str(sock)) as client:  # the arena locked in memory (dram_lock)?
+                locked = int(client.stat().counters["arena_locked_bytes"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)
-    emit(summarize(args, runs, results, fs_type), args.json)
+    out = summarize(args, runs, results, fs_type)
+    out["arena_locked_bytes"] = locked
+    out["arena_pinned"] = locked > 0
+    emit(out, args.json)
     return 0
 
 
