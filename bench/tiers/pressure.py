@@ -99,23 +99,6 @@ def memory_cgroup(limit_bytes: int) -> Iterator[Path]:
                 time.sleep(0.1)
 
 
-def smaps_bytes(start: int, end: int) -> dict[str, int]:
-    """Rss and Swap of this process's mappings within [start, end)."""
-    out = {"Rss": 0, "Swap": 0}
-    inside = False
-    with open("/proc/self/smaps", encoding="ascii") as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < end and hi > start
-            elif inside:
-                name = line.split(":", 1)[0]
-                if name in out:
-                    out[name] += int(line.split()[1]) * 1024
-    return out
-
-
 def read_all(words: np.ndarray, out: np.ndarray) -> tuple[float, bool]:
     """Copy the arena out, ``out`` at a time (seconds, the copying alone),
     then check each piece against the pattern (not timed)."""
@@ -131,7 +114,7 @@ def read_all(words: np.ndarray, out: np.ndarray) -> tuple[float, bool]:
 
 def child(mode: str, arena_bytes: int, hog_bytes: int, procs: str) -> dict[str, Any]:
     """One mode, in the cgroup: see the module docstring."""
-    from tierstore.memory.arena import Arena, locked_bytes
+    from tierstore.memory.arena import Arena, locked_bytes, smaps_bytes
 
     Path(procs).write_text(str(os.getpid()))
     arena = Arena.create(arena_bytes, upfront=False)
@@ -146,16 +129,16 @@ def child(mode: str, arena_bytes: int, hog_bytes: int, procs: str) -> dict[str, 
             words[lo : lo + chunk] = np.arange(lo, min(lo + chunk, len(words)), dtype=np.uint64)
         hog = np.ones(hog_bytes, dtype=np.uint8)  # written whole: every page faulted in
         a0, h0 = arena.array.ctypes.data, hog.ctypes.data
-        arena_pages = smaps_bytes(a0, a0 + arena_bytes)
-        hog_pages = smaps_bytes(h0, h0 + hog_bytes)
+        arena_pages = smaps_bytes(a0, a0 + arena_bytes, (b"Rss:", b"Swap:"))
+        hog_pages = smaps_bytes(h0, h0 + hog_bytes, (b"Rss:", b"Swap:"))
         out = np.empty(chunk, dtype=np.uint64)
         first, intact = read_all(words, out)
         again, _ = read_all(words, out)
         return {
-            "arena_resident_bytes": arena_pages["Rss"],
-            "arena_swapped_bytes": arena_pages["Swap"],
-            "hog_resident_bytes": hog_pages["Rss"],
-            "hog_swapped_bytes": hog_pages["Swap"],
+            "arena_resident_bytes": arena_pages[b"Rss:"],
+            "arena_swapped_bytes": arena_pages[b"Swap:"],
+            "hog_resident_bytes": hog_pages[b"Rss:"],
+            "hog_swapped_bytes": hog_pages[b"Swap:"],
             "arena_read_gbps": round(arena_bytes / first / GB, 3),
             "arena_read_again_gbps": round(arena_bytes / again / GB, 3),
             "arena_intact": intact,

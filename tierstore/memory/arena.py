@@ -88,6 +88,26 @@ def _kib_line(path: str, name: str) -> int | None:
     return None
 
 
+def smaps_bytes(start: int, end: int, names: tuple[bytes, ...]) -> dict[bytes, int]:
+    """The ``name: N kB`` fields ``names`` (e.g. ``b"Rss:"``), in bytes,
+    summed over this process's mappings that overlap ``[start, end)``
+    (/proc/self/smaps); every one 0 if unreadable."""
+    total = dict.fromkeys(names, 0)
+    inside = False
+    try:
+        with open("/proc/self/smaps", "rb") as f:
+            for line in f:
+                if line[0] in _HEX_DIGITS:
+                    low, _, high = line.partition(b" ")[0].partition(b"-")
+                    inside = int(low, 16) < end and int(high, 16) > start
+                elif inside and line.startswith(names):
+                    name = line.split()[0]
+                    total[name] += int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return dict.fromkeys(names, 0)
+    return total
+
+
 def locked_bytes() -> int:
     """Memory this process has locked (VmLck), in bytes; 0 if unknown."""
     return _kib_line("/proc/self/status", "VmLck") or 0
@@ -429,19 +449,8 @@ class Arena:
         stat and scrapes, not per operation."""
         if self._fd < 0:  # closed: the address may hold another mapping now
             return 0
-        start, end = self._address, self._address + self.size_bytes
-        total, inside = 0, False
-        try:
-            with open("/proc/self/smaps", "rb") as f:
-                for line in f:
-                    if line[0] in _HEX_DIGITS:
-                        low, _, high = line.partition(b" ")[0].partition(b"-")
-                        inside = int(low, 16) < end and int(high, 16) > start
-                    elif inside and line.startswith(_SMAPS_HUGE):
-                        total += int(line.split()[1]) * 1024
-        except (OSError, ValueError):
-            return 0
-        return total
+        start = self._address
+        return sum(smaps_bytes(start, start + self.size_bytes, _SMAPS_HUGE).values())
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """A zero-copy view of ``nbytes`` at ``offset``."""
