@@ -46,7 +46,7 @@ class PeerConfig:
     compression: str = "auto"  # auto | none | zstd: transfers over byte-split zstd
     max_transfers: int = 8  # concurrent outgoing transfers served
     replicate_queue_max: int = 64  # replica pushes waiting; more are dropped and counted
-    replicate_per_target: int = 2  # end_turn pushes in flight to one target (tierstore.peer.pushq)
+    replicate_per_target: int = 1  # end_turn pushes in flight to one target (tierstore.peer.pushq)
     max_watchers: int = 4  # routers' WatchBlocks streams at once (one server thread each)
     peer_max_rpcs: int = 64  # peer gRPC calls admitted at once; more get RESOURCE_EXHAUSTED
     peer_rpc_threads: int = 16  # threads serving the peer port's calls

@@ -1,20 +1,20 @@
-"""The queue of end_turn replica pushes: a few in flight per target, oldest first.
+"""The queue of end_turn replica pushes: one in flight per target, oldest first.
 
 Provides ``PushQueue``. The peer tier's replicator threads take pushes from
-it; each target (a link) carries at most ``per_target`` pushes at a time,
-and a target's pushes go in the order their turns ended. Four pushes in flight to one target had
-shared its link four ways, so each finished up to four times later than
-alone: the next turn of every session behind them found its replica
-incomplete (``push_late``). One at a time, the oldest turn's replica is
-complete first, and a session whose turn ended last waits for the ones
-before it rather than slowing them all. But one at a time left the link
-idle during each push's set-up (the Replicate call, the target's checks,
-its OpenFetch call and the data connection: three round trips, each behind
-the queue of a busy shaped link), which cost more than the bytes at the
-scale of the switch bench; with two, the next push's set-up overlaps the
-one before's bytes (``bench.switch``, docs/benchmarks.md). Pushes to other targets are not
-held up by a slow or dead one: a free replicator takes the oldest push
-whose target is free.
+it; each target (a link) carries at most ``per_target`` pushes at a time
+(``replicate_per_target``, 1 by default), and a target's pushes go in the
+order their turns ended. Four pushes in flight to one target had shared its
+link four ways, so each finished up to four times later than alone: the
+next turn of every session behind them found its replica incomplete
+(``push_late``). One at a time, the oldest turn's replica is complete
+first, and a session whose turn ended last waits for the ones before it
+rather than slowing them all. Two at a time, so that one push's set-up
+(three round trips behind a busy link's queue) overlaps the bytes of the
+one before, measured worse in the switch bench: the two shared the link
+again and some pushes came late in the middle of a run, where one at a
+time lost none (docs/benchmarks.md, Session switches). Pushes to other
+targets are not held up by a slow or dead one: a free replicator takes the
+oldest push whose target is free.
 
 Bounds: at most ``max_items`` pushes queued (``put`` says False beyond);
 every wait of ``get`` is a wait for work or for ``close``.
