@@ -91,10 +91,12 @@ def bench_start(
             attach = time.monotonic() - t0
         while True:
             counters = sidecar.stat().counters
-            if counters["arena_populated_bytes"] >= size or time.monotonic() > deadline:
+            if counters["arena_populated_bytes"] >= size:
                 populated = time.monotonic() - started
                 locked = int(counters["arena_locked_bytes"])
                 break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the arena of {size} bytes was not populated within 120 s")
             time.sleep(0.05)
     finally:
         sidecar.stop(timeout_s=20.0)
