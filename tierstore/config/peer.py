@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 from tierstore.config.common import at_least, check_address, positive
 from tierstore.errors import ConfigError
 
+MAX_PUSHES_PER_TARGET = 8  # replicate_per_target: each in flight holds a replicator thread
+
 
 @dataclass(frozen=True)
 class PeerConfig:
@@ -80,6 +82,11 @@ class PeerConfig:
             raise ConfigError(
                 f"replicate_policy must be headroom or kv_share, got {self.replicate_policy!r}"
             )
+        if not 1 <= self.replicate_per_target <= MAX_PUSHES_PER_TARGET:
+            raise ConfigError(
+                f"replicate_per_target must be 1-{MAX_PUSHES_PER_TARGET} (each is a thread), "
+                f"got {self.replicate_per_target}"
+            )
         if not 0.0 < self.stream_link_share <= 1.0:
             raise ConfigError(f"stream_link_share must be in (0, 1], got {self.stream_link_share}")
         at_least(self, 0, "stream_max_bytes")
@@ -89,7 +96,6 @@ class PeerConfig:
             "min_tokens",
             "max_transfers",
             "replicate_queue_max",
-            "replicate_per_target",
             "max_watchers",
             "peer_max_rpcs",
             "peer_rpc_threads",

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from tierstore.config.peer import PeerConfig
+from tierstore.errors import ConfigError
 from tierstore.peer.pushq import PushQueue
 
 WAIT_S = 10.0
@@ -56,6 +58,13 @@ def test_per_target_pushes_in_flight_and_no_more() -> None:
     q.close()
     with pytest.raises(ValueError, match="per_target"):
         PushQueue(8, per_target=0)
+
+
+def test_the_setting_is_bounded() -> None:
+    assert PeerConfig(replicate_per_target=8).replicate_per_target == 8
+    for bad in (0, 9):
+        with pytest.raises(ConfigError, match="replicate_per_target must be 1-8"):
+            PeerConfig(replicate_per_target=bad)
 
 
 def test_a_busy_target_does_not_hold_up_another() -> None:
