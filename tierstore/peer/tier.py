@@ -33,7 +33,7 @@ from tierstore.membership.members import MemberSet, StaticMembers
 from tierstore.peer import codec
 from tierstore.peer.client import PeerClient, rpc_text
 from tierstore.peer.clients import PeerClients
-from tierstore.peer.data import ReceiveResult, Verifier, receive_blocks
+from tierstore.peer.data import ReceiveResult, receive_blocks
 from tierstore.peer.replicator import Push, Replicator
 from tierstore.peer.stream import STREAM_COUNTERS
 from tierstore.policies.compression import compress_transfer
@@ -121,7 +121,6 @@ class PeerTier:
         # with that transfer's claim (see ``pull`` and ``_claim``).
         self._pulling: dict[BlockKey, _Claim] = {}
         self._pulls_lock = threading.Lock()
-        self.verifier = Verifier()  # received blocks are verified on every core
         self.replicator = Replicator(
             cfg, self_address, self._peers, self.spill_target,
             counters=self.counters, workers=store.workers,
@@ -284,9 +283,7 @@ class PeerTier:
         if conn is None:
             return ReceiveResult()
         try:
-            result = receive_blocks(
-                conn, self.store, layout, keys[:num_blocks], deadline, self.verifier
-            )
+            result = receive_blocks(conn, self.store, layout, keys[:num_blocks], deadline)
         finally:
             conn.close()
         # Raw transfers measure the link (the cost model's pull rate too), and
@@ -408,7 +405,6 @@ class PeerTier:
     def close(self) -> None:
         self.replicator.close()
         self._peers.close()
-        self.verifier.close()
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ and committed in order."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -11,12 +12,13 @@ from typing import cast
 
 import blake3
 import numpy as np
+import pytest
 
 from tierstore.config.store import StoreConfig
-from tierstore.keys import chain_keys
+from tierstore.keys import KVLayout, chain_keys
 from tierstore.memory.arena import Arena
 from tierstore.peer import codec
-from tierstore.peer.data import Verifier, receive_blocks
+from tierstore.peer.data import WIRE_PIECE_BYTES, receive_blocks
 from tierstore.store.nvme.tier import NvmeTier
 from tierstore.store.tiered import TieredStore
 
@@ -35,7 +37,6 @@ def test_blocks_held_already_are_read_past_and_the_rest_committed(tmp_path) -> N
     store = TieredStore(
         cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, FakeNvme())
     )
-    verifier = Verifier(2)
     keys = chain_keys(L, list(range(4 * L.block_tokens)))
     rng = np.random.default_rng(3)
     data = [rng.integers(0, 256, L.block_bytes, dtype=np.uint8).tobytes() for _ in keys]
@@ -51,7 +52,7 @@ def test_blocks_held_already_are_read_past_and_the_rest_committed(tmp_path) -> N
 
         writer = threading.Thread(target=send)
         writer.start()
-        result = receive_blocks(receiver, store, L, keys, time.monotonic() + 10, verifier)
+        result = receive_blocks(receiver, store, L, keys, time.monotonic() + 10)
         writer.join(10)
         assert result.error == "" and result.verify_failures == 0
         assert result.keys == [keys[0], keys[2], keys[3]]  # block 1 was not ours to keep
@@ -60,5 +61,73 @@ def test_blocks_held_already_are_read_past_and_the_rest_committed(tmp_path) -> N
     finally:
         sender.close()
         receiver.close()
-        verifier.close()
+        store.close()
+
+
+# Blocks of 2.6 wire pieces: a block is hashed piece by piece as it arrives
+# (the last piece short), and checked once its last piece is in.
+BIG = KVLayout("multi-piece", 3, 2, 64, "float16", 880)
+
+
+def _receive_big(tmp_path, corrupt: tuple[int, int] | None):
+    """Send 4 BIG blocks (``corrupt``: flip the byte at (block, offset) after
+    its digest was taken) and receive them into a fresh store."""
+    assert BIG.block_bytes % WIRE_PIECE_BYTES and BIG.block_bytes > 2 * WIRE_PIECE_BYTES
+    cfg = StoreConfig(
+        dram_bytes=8 * BIG.block_bytes,
+        dram_segment_bytes=8 * BIG.block_bytes,
+        nvme_dir=str(tmp_path / "unused"),
+    )
+    store = TieredStore(
+        cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, FakeNvme())
+    )
+    keys = chain_keys(BIG, list(range(4 * BIG.block_tokens)))
+    rng = np.random.default_rng(5)
+    data = [rng.integers(0, 256, BIG.block_bytes, dtype=np.uint8).tobytes() for _ in keys]
+    sender, receiver = socket.socketpair()
+
+    def send() -> None:
+        for i, (key, block) in enumerate(zip(keys, data)):
+            digest = blake3.blake3(block).digest()
+            wire = bytearray(block)
+            if corrupt is not None and corrupt[0] == i:
+                wire[corrupt[1]] ^= 0x01
+            frame = codec.FRAME.pack(key, digest, len(block), len(block), 0)
+            with contextlib.suppress(OSError):  # the receiver stops reading at a bad block
+                sender.sendall(frame + wire)
+
+    writer = threading.Thread(target=send)
+    writer.start()
+    try:
+        result = receive_blocks(receiver, store, BIG, keys, time.monotonic() + 10)
+        receiver.close()
+        writer.join(10)
+        return result, keys, data, store
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_blocks_of_several_pieces_are_verified_whole(tmp_path) -> None:
+    result, keys, data, store = _receive_big(tmp_path, corrupt=None)
+    try:
+        assert result.error == "" and result.verify_failures == 0
+        assert result.keys == keys and result.received == 4
+        assert store.get(BIG, keys) == data
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("offset_in_piece", [0, 2])  # the first piece, the short last one
+def test_a_byte_flipped_in_any_piece_ends_the_transfer_there(
+    tmp_path, offset_in_piece: int
+) -> None:
+    offset = min(offset_in_piece * WIRE_PIECE_BYTES + 17, BIG.block_bytes - 1)
+    result, keys, data, store = _receive_big(tmp_path, corrupt=(2, offset))
+    try:
+        assert result.verify_failures == 1
+        assert result.keys == keys[:2]  # verified before the bad block: kept
+        assert store.get(BIG, keys[:2]) == data[:2]
+        assert store.lookup(BIG, keys).num_hits == 2  # the bad block and after: a miss
+    finally:
         store.close()
