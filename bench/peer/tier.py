@@ -18,11 +18,12 @@ sending: 0 when hashing at commit keeps up). Throughputs are GB/s (1e9 bytes/s).
 Prints one JSON object:
 
 - ``raw_tcp_gbps``: the limit: one Python TCP stream on loopback between two
-  processes, sender ``sendall`` of a page-aligned buffer in 2 MiB pieces,
-  receiver ``recv_into`` a page-aligned buffer (zeroed before each round);
-  best of 3 of the delta's size, measured before and after the sidecar runs
-  (the better one: shared machines drift; both are reported as
-  ``raw_tcp_before_gbps`` / ``raw_tcp_after_gbps``);
+  processes, sender ``sendall`` of a page-aligned buffer, receiver
+  ``recv_into`` a page-aligned buffer (zeroed before each round), in calls
+  of each of ``rawtcp.CALL_SIZES`` (512 KiB and 2 MiB), the fastest
+  (``raw_tcp_how``); best of 3 of the delta's size, measured before and
+  after the sidecar runs (the better one: shared machines drift; both are
+  reported as ``raw_tcp_before_gbps`` / ``raw_tcp_after_gbps``);
 - ``peer_fetch_gbps``: the pull alone as an engine sees it, the median of
   FETCH_ROUNDS fetches of fresh keys (each listed in ``peer_fetch_rounds_gbps``):
   one ``client.acquire(keys, include_peers=True)`` on B, which is B's peer
@@ -57,8 +58,10 @@ Prints one JSON object:
   what ``peer_fetch_vs_raw_tcp``'s target assumes;
 - ``raw_tcp_verified_gbps``: the one-hash ceiling measured instead of
   computed: the raw TCP stream with the receiver verifying each 2 MiB piece
-  on a pool of one thread per core as it arrives (what the peer tier does,
-  without the store), best of 3, before and after like raw TCP. The sender
+  as it arrives, the fastest of each call size with the hash on a pool of
+  one thread per core or on the receiving thread call by call (what the
+  peer tier does, without the store; ``raw_tcp_verified_how`` says which
+  won), best of 3, before and after like raw TCP. The sender
   streams random bytes (no two pieces alike) and sent the blake3 of each
   piece first (hashed before the stream, as the peer tier's sender hashes at
   commit); the receiver's buffer is zeroed before each round, so a piece
@@ -103,7 +106,7 @@ from bench.limits import (
     memcpy_gbps,
     ratio,
 )
-from bench.peer.rawtcp import PIECE_BYTES, raw_stream
+from bench.peer.rawtcp import PIECE_BYTES, VERIFY_MODES, best_stream, raw_stream
 from bench.peer.stacks import profile_fetch
 from harness.sidecar import BENCH_SETTINGS, SidecarProcess, remove_arenas
 from tierstore.client import StoreClient
@@ -135,12 +138,18 @@ WARM_BLOCKS = 4  # a first small fetch per receiver: its peer channels are up be
 
 
 def raw_tcp_gbps(nbytes: int, rounds: int = RAW_ROUNDS, verify: bool = False) -> float:
-    """Best of ``rounds`` raw streams of ``nbytes`` (see ``raw_stream``), in
-    GB/s; with ``verify``, raises if any piece arrived with other bytes."""
-    seconds, bad = raw_stream(nbytes, rounds, verify)
+    """The fastest of the ways tried of streaming ``nbytes``, best of
+    ``rounds`` each (``rawtcp.best_stream``), in GB/s."""
+    return raw_tcp_best(nbytes, rounds, verify)[0]
+
+
+def raw_tcp_best(nbytes: int, rounds: int = RAW_ROUNDS, verify: bool = False) -> tuple[float, str]:
+    """``raw_tcp_gbps`` and how that stream was read and checked; with
+    ``verify``, raises if any piece arrived with other bytes."""
+    seconds, how, bad = best_stream(nbytes, rounds, verify)
     if bad:
         raise RuntimeError(f"raw TCP: pieces {bad} arrived with other bytes")
-    return nbytes / seconds / GB
+    return nbytes / seconds / GB, how
 
 
 def raw_verify_control() -> list[int]:
@@ -148,9 +157,12 @@ def raw_verify_control() -> list[int]:
     the sender corrupts after hashing it. Returns the pieces the receiver
     flagged; raises unless that is exactly [1] (a check that cannot fail
     would measure nothing)."""
-    _, bad = raw_stream(CONTROL_PIECES * PIECE_BYTES, 1, verify=True, corrupt_piece=1)
-    if bad != [1]:
-        raise RuntimeError(f"the verified ceiling's check flagged {bad}, not the corrupt piece [1]")
+    for mode in VERIFY_MODES:
+        _, bad = raw_stream(CONTROL_PIECES * PIECE_BYTES, 1, mode, corrupt_piece=1)
+        if bad != [1]:
+            raise RuntimeError(
+                f"the verified ceiling's check ({mode}) flagged {bad}, not the corrupt piece [1]"
+            )
     return bad
 
 
@@ -364,8 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     num_blocks = -(-(mib << 20) // LAYOUT.block_bytes)
     delta = num_blocks * LAYOUT.block_bytes
     started = time.perf_counter()
-    raw_before = raw_tcp_gbps(delta)
-    verified_before = raw_tcp_gbps(delta, verify=True)
+    raw_before, raw_how_before = raw_tcp_best(delta)
+    verified_before, verified_how_before = raw_tcp_best(delta, verify=True)
     control = raw_verify_control()
     data = kv_like_blocks(num_blocks, seed=0)
     result: dict[str, Any] = {
@@ -406,16 +418,19 @@ def main(argv: list[str] | None = None) -> None:
                     pids = {"sender": procs["a"].pid, "receiver": procs["b"].pid}
                     profile_fetch(pids, partial(fetch_each, rx, rounds), Path(args.profile))
                 sender_hashes = a.stat().counters["peer_send_hashes"] - send_hashes0
-    raw_after = raw_tcp_gbps(delta)
-    verified_after = raw_tcp_gbps(delta, verify=True)
+    raw_after, raw_how_after = raw_tcp_best(delta)
+    verified_after, verified_how_after = raw_tcp_best(delta, verify=True)
     verified = max(verified_before, verified_after)
     raw = max(raw_before, raw_after)
+    raw_how = raw_how_before if raw_before >= raw_after else raw_how_after
+    verified_how = verified_how_before if verified_before >= verified_after else verified_how_after
     b, z = figures["b"], figures["z"]
     ceiling = 1 / (1 / raw + 2 / result["blake3_gbps"])
     ceiling_one = 1 / (1 / raw + 1 / result["blake3_gbps"])
     result.update(
         {
             "raw_tcp_gbps": raw,
+            "raw_tcp_how": raw_how,
             "raw_tcp_before_gbps": raw_before,
             "raw_tcp_after_gbps": raw_after,
             "peer_fetch_gbps": b["peer_fetch_gbps"],
@@ -428,6 +443,7 @@ def main(argv: list[str] | None = None) -> None:
             "cpu_ceiling_one_hash_gbps": ceiling_one,
             "peer_fetch_vs_cpu_ceiling_one_hash": ratio(b["peer_fetch_gbps"], ceiling_one),
             "raw_tcp_verified_gbps": verified,
+            "raw_tcp_verified_how": verified_how,
             "raw_tcp_verified_before_gbps": verified_before,
             "raw_tcp_verified_after_gbps": verified_after,
             "raw_tcp_verified_control_flagged": control,
