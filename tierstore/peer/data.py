@@ -50,7 +50,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -321,11 +321,12 @@ def receive_blocks(
     layout: KVLayout,
     keys: Sequence[BlockKey],
     deadline: float,
+    on_commit: Callable[[list[BlockKey]], None] | None = None,
 ) -> ReceiveResult:
     """Read frames for ``keys`` (in order) into reserved slots, verifying
     each piece as it arrives, and commit the verified blocks with their
-    digests. Blocks the store already holds are read and discarded. See the
-    module docstring."""
+    digests (``on_commit`` is told of each batch committed). Blocks the
+    store already holds are read and discarded. See the module docstring."""
     owner = next(_owner_ids)
     result = ReceiveResult()
     started = time.monotonic()
@@ -341,6 +342,8 @@ def receive_blocks(
         if verified:
             store.commit(verified, owner, digests=digests)
             committed.extend(verified)
+            if on_commit is not None:
+                on_commit(list(verified))
             verified.clear()
             digests.clear()
 

@@ -85,13 +85,37 @@ PEER_COUNTERS = (
 )
 
 
-@dataclass(slots=True, eq=False)
 class _Claim:
     """One transfer into this host (a pull or a replica import) and the
-    blocks it claimed: others wait on ``done`` instead of fetching them."""
+    blocks it claimed: others wait for the blocks they need, as each batch
+    lands, instead of fetching them."""
 
-    kind: str  # "pull" or "import"
-    done: threading.Event = field(default_factory=threading.Event)
+    __slots__ = ("_cond", "_done", "_landed", "kind")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind  # "pull" or "import"
+        self._landed: set[BlockKey] = set()  # committed so far
+        self._done = False
+        self._cond = threading.Condition()
+
+    def land(self, keys: Sequence[BlockKey]) -> None:
+        """These blocks were committed here (the transfer's receiving thread)."""
+        with self._cond:
+            self._landed.update(keys)
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self._done = True
+            self._cond.notify_all()
+
+    def wait_for(self, keys: Sequence[BlockKey], deadline: float) -> None:
+        """Until every one of ``keys`` landed, the transfer ended, or ``deadline``."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._done or self._landed.issuperset(keys),
+                max(deadline - time.monotonic(), 0.0),
+            )
 
 
 class PeerTier:
@@ -163,18 +187,24 @@ class PeerTier:
 
         Blocks that another transfer here is already fetching (a gateway's
         pre-positioning, then the engine's own load of the same turn; a
-        replica pushed while the turn was on its way) are waited for, within
-        ``timeout_s``, instead of fetched a second time: two receivers of one
-        block would also contend for its slot, and the second would read past
-        it and end with a shorter prefix than the peer held."""
+        replica pushed while the turn was on its way; an engine's prefetch
+        of the whole prefix, then its loads of it piece by piece) are waited
+        for, within ``timeout_s``, instead of fetched a second time: two
+        receivers of one block would also contend for its slot, and the
+        second would read past it and end with a shorter prefix than the
+        peer held. The wait ends as soon as the blocks asked for have landed,
+        not when the other transfer ends."""
         started = time.monotonic()
         deadline = started + timeout_s
         with self._pulls_lock:
-            running = {self._pulling[k] for k in keys if k in self._pulling}
+            running: dict[_Claim, list[BlockKey]] = {}
+            for k in keys:
+                if k in self._pulling:
+                    running.setdefault(self._pulling[k], []).append(k)
         if running:
             self.counters.add("pulls_joined")
-            for claim in running:
-                claim.done.wait(max(deadline - time.monotonic(), 0.0))
+            for claim, theirs in running.items():
+                claim.wait_for(theirs, deadline)
         timing = _PullTiming(started, joined=time.monotonic(), asked=len(keys))
         timing.joined_kinds = sorted({c.kind for c in running})
         timing.had = _held_prefix(self.store.held(keys))
@@ -188,7 +218,7 @@ class PeerTier:
             peer, hits = self.lookup(layout, rest, lookup_s)
             timing.looked = time.monotonic()
             if peer is not None:
-                result = self._fetch(peer, layout, rest[:hits], deadline, background=False)
+                result = self._fetch(peer, layout, rest[:hits], deadline, mine, background=False)
                 timing.got, timing.reserve_s = result.received, result.reserve_s
             return timing.had + timing.got
         finally:
@@ -211,7 +241,7 @@ class PeerTier:
             for k in claimed:
                 if self._pulling.get(k) is mine:
                     del self._pulling[k]
-        mine.done.set()
+        mine.finish()
 
     def _pulled(self, t: _PullTiming) -> None:
         """Count one pull's time; log where a slow one's went (rate-limited)."""
@@ -240,14 +270,16 @@ class PeerTier:
         layout: KVLayout,
         keys: list[BlockKey],
         deadline: float,
+        claim: _Claim,
         background: bool,
     ) -> ReceiveResult:
-        """``background``: no request waits on this transfer (a replica
-        import): it may re-time the way of transferring not in use."""
+        """``claim``: told of each batch as it lands. ``background``: no
+        request waits on this transfer (a replica import): it may re-time
+        the way of transferring not in use."""
         compress = self._compress(peer, layout, background)
         self.counters.add_many({"fetches": 1, "fetches_compressed": int(compress)})
         try:
-            result = self._receive(peer, layout, keys, deadline, compress)
+            result = self._receive(peer, layout, keys, deadline, compress, claim)
         except (grpc.RpcError, OSError) as e:
             self.counters.add("fetch_timeouts" if _timed_out(e, deadline) else "fetch_errors")
             _faults.warning(
@@ -275,6 +307,7 @@ class PeerTier:
         keys: list[BlockKey],
         deadline: float,
         compress: bool,
+        claim: _Claim,
     ) -> ReceiveResult:
         """Open a transfer from ``peer`` and read it into the store (verified);
         large raw transfers measure the link to it."""
@@ -283,7 +316,9 @@ class PeerTier:
         if conn is None:
             return ReceiveResult()
         try:
-            result = receive_blocks(conn, self.store, layout, keys[:num_blocks], deadline)
+            result = receive_blocks(
+                conn, self.store, layout, keys[:num_blocks], deadline, on_commit=claim.land
+            )
         finally:
             conn.close()
         # Raw transfers measure the link (the cost model's pull rate too), and
@@ -387,7 +422,7 @@ class PeerTier:
                 )
                 return reply
             if claimed:
-                result = self._fetch(peer, layout, claimed, deadline, background=True)
+                result = self._fetch(peer, layout, claimed, deadline, mine, background=True)
                 committed = result.keys
                 reply.bytes = result.bytes
         finally:

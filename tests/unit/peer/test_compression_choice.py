@@ -15,7 +15,7 @@ from tierstore.config.peer import PeerConfig
 from tierstore.config.store import StoreConfig
 from tierstore.load import RateMeter
 from tierstore.peer.data import ReceiveResult
-from tierstore.peer.tier import PeerTier
+from tierstore.peer.tier import PeerTier, _Claim
 from tierstore.policies.compression import compress_transfer
 from tierstore.store.tiered import TieredStore
 
@@ -68,14 +68,16 @@ def test_only_replica_imports_re_time_the_slower_way(
         peer.packed.add(30 << 20, 1.0)  # ... and timed slower still
         asked: list[bool] = []
 
-        def receive(peer: Any, layout: Any, keys: Any, deadline: float, compress: bool) -> Any:
+        def receive(
+            peer: Any, layout: Any, keys: Any, deadline: float, compress: bool, claim: Any
+        ) -> Any:
             asked.append(compress)
             return ReceiveResult()
 
         tier._receive = receive  # type: ignore[method-assign]
         for background in (False, True):
             for _ in range(16):
-                tier._fetch(peer, L, [], time.monotonic() + 1, background)  # type: ignore[arg-type]
+                tier._fetch(peer, L, [], time.monotonic() + 1, _Claim("pull"), background)  # type: ignore[arg-type]
         pulls, imports = asked[:16], asked[16:]
         assert pulls == [False] * 16
         assert imports == ([False] * 7 + [True]) * 2

@@ -31,7 +31,7 @@ def test_a_second_pull_of_the_same_prefix_joins_the_first(
         fetched: list[int] = []
 
         def fetch(
-            peer: Any, layout: Any, ks: list[Any], deadline: float, background: bool
+            peer: Any, layout: Any, ks: list[Any], deadline: float, claim: _Claim, background: bool
         ) -> ReceiveResult:
             fetching.set()
             release.wait(10)
@@ -85,7 +85,13 @@ class _Transfers:
         self.sizes: list[int] = []
 
     def __call__(
-        self, peer: Any, layout: Any, ks: list[Any], deadline: float, background: bool
+        self,
+        peer: Any,
+        layout: Any,
+        ks: list[Any],
+        deadline: float,
+        claim: _Claim,
+        background: bool,
     ) -> ReceiveResult:
         if not self.started.is_set():
             self.started.set()
@@ -182,4 +188,45 @@ def test_negative_control_without_the_claim_the_pull_fetches_again(
         _import_then_pull(tier, transfers, keys)
         assert transfers.sizes == [6, 6]  # the defect the claim prevents: two transfers
         assert tier.counters.snapshot()["pulls_joined"] == 0
+        tier.close()
+
+
+def test_a_pull_of_the_head_returns_once_the_head_has_landed(
+    store_config: Callable[..., StoreConfig],
+) -> None:
+    """An engine's prefetch pulls a whole prefix; its loads of the first
+    blocks return as soon as those landed, while the transfer still runs
+    (the load copies them meanwhile), not when the transfer ends."""
+    keys = chain_keys(L, np.arange(6 * L.block_tokens) + 50_000)
+    with TieredStore(store_config()) as store:
+        head_landed, finish = threading.Event(), threading.Event()
+        fetched: list[int] = []
+
+        def fetch(
+            peer: Any, layout: Any, ks: list[Any], deadline: float, claim: _Claim, background: bool
+        ) -> ReceiveResult:
+            for lo, hi in ((0, 2), (2, len(ks))):  # two batches land, the second held back
+                if lo:
+                    finish.wait(10)
+                store.put(layout, ks[lo:hi], np.zeros((hi - lo, L.block_bytes), dtype=np.uint8))
+                claim.land(ks[lo:hi])
+                if not lo:
+                    head_landed.set()
+            fetched.append(len(ks))
+            return ReceiveResult(received=len(ks), keys=list(ks))
+
+        tier = PeerTier(store, PeerConfig(peer_port=7700, peer_token="t"), "me:1")
+        tier.lookup = lambda layout, ks, timeout_s: (object(), len(ks))  # type: ignore[method-assign]
+        tier._fetch = fetch  # type: ignore[method-assign]
+        whole = threading.Thread(target=lambda: tier.pull(L, keys, 10))
+        whole.start()
+        assert head_landed.wait(10)
+        t0 = time.monotonic()
+        got = tier.pull(L, keys[:2], 5)  # joins the running transfer
+        waited = time.monotonic() - t0
+        still_running = not finish.is_set() and fetched == []
+        finish.set()
+        whole.join(10)
+        assert got == 2 and still_running and waited < 5  # not held to the transfer's end
+        assert fetched == [6] and tier.counters.snapshot()["pulls_joined"] == 1
         tier.close()
