@@ -7,15 +7,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (pip install 'tierstore[vllm]')")
 
+from tierstore.engines.vllm.connector import (
+    TierstoreConnectorMetadata,
+    computes_nothing,
+    poll_wait_s,
+)
 from tierstore.engines.vllm.layout import ConnectorSettings, request_salt
 from tierstore.engines.vllm.link import BudgetedCalls
-from tierstore.engines.vllm.loader import BackgroundLoader
+from tierstore.engines.vllm.loader import IDLE_POLL_WAIT_S, BackgroundLoader
 from tierstore.engines.vllm.plan import LoadSpec, Planner
 from tierstore.errors import TierstoreError
 from tierstore.keys import BlockKey, KVLayout, chain_keys
@@ -147,6 +153,13 @@ class FakeClient:
         self.gate = gate
         self.pins: list[FakePinned] = []
         self.raises: Exception | None = None
+        self.prefetched: list[int] = []  # keys asked of each prefetch
+
+    def prefetch(self, layout: KVLayout, keys: list[BlockKey], policy: str) -> None:
+        assert policy == "best_effort"  # never waited for: the acquires wait per piece
+        if self.raises is not None:
+            raise self.raises
+        self.prefetched.append(len(keys))
 
     def acquire(self, layout: KVLayout, keys: list[BlockKey], **kw: Any) -> FakePinned:
         assert 0 < kw["deadline_s"] <= 5.0
@@ -213,6 +226,7 @@ def test_the_loader_copies_every_block_and_reports_the_request() -> None:
     ld.submit(spec("a", 5))
     assert poll_until(ld) == ({"a"}, set())
     assert copies == [((100, 101),), ((102, 103),), ((104,),)]  # chunks of max_batch_keys
+    assert client.prefetched == [5]  # the whole prefix asked for at once, first
     assert all(p.released for p in client.pins)
     assert ld.in_flight == 0 and ld.counters.loaded_blocks == 5
     ld.close()
@@ -234,7 +248,7 @@ def test_poll_does_not_wait_for_a_copy_in_progress() -> None:
         slow_copy,
         FakeLink(FakeClient()),  # type: ignore[arg-type]
     )
-    ld.submit(spec("a", 1))
+    ld.submit(spec("a", 1))  # one piece: no prefetch (FakeClient records none)
     assert copying.wait(10)
     t0 = time.monotonic()
     assert ld.poll() == (set(), set(), set())
@@ -283,6 +297,37 @@ def test_a_load_past_its_deadline_is_reported_failed_and_copies_nothing_after() 
     assert copies == [] and all(p.released for p in client.pins)
     assert ld.poll() == (set(), set(), set())  # reported once
     ld.close()
+
+
+def test_an_idle_poll_waits_for_a_load_to_end_and_no_longer() -> None:
+    """In a step that computes nothing, get_finished waits (bounded) for a
+    load to end instead of letting vLLM step again at once; in any other
+    step it never waits."""
+    gate = threading.Event()
+    client = FakeClient(gate=gate)
+    ld, _ = loader(client)
+    ld.submit(spec("a", 1))
+    t0 = time.monotonic()
+    assert ld.poll() == (set(), set(), set())  # no wait asked: at once
+    assert time.monotonic() - t0 < 0.05
+    t0 = time.monotonic()
+    assert ld.poll(0.1) == (set(), set(), set())  # nothing ends: bounded by the wait
+    assert 0.09 < time.monotonic() - t0 < 2.0
+    threading.Timer(0.2, gate.set).start()
+    t0 = time.monotonic()
+    finished, failed, _ = ld.poll(5.0)  # returns when the load ends, long before 5 s
+    assert finished == {"a"} and failed == set()
+    assert 0.15 < time.monotonic() - t0 < 2.0
+    ld.close()
+
+
+def test_only_a_step_that_computes_nothing_waits() -> None:
+    idle = SimpleNamespace(total_num_scheduled_tokens=0)
+    busy = SimpleNamespace(total_num_scheduled_tokens=7)
+    assert computes_nothing(idle) and not computes_nothing(busy)
+    assert poll_wait_s(TierstoreConnectorMetadata(idle=True)) == IDLE_POLL_WAIT_S > 0
+    assert poll_wait_s(TierstoreConnectorMetadata(idle=False)) == 0.0
+    assert poll_wait_s(None) == 0.0  # no metadata bound: never wait
 
 
 # -- budgeted lookups --------------------------------------------------------------------

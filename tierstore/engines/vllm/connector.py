@@ -86,6 +86,7 @@ from tierstore.engines.vllm.layout import (
     request_salt,
 )
 from tierstore.engines.vllm.link import BudgetedCalls, StoreLink
+from tierstore.engines.vllm.loader import IDLE_POLL_WAIT_S
 from tierstore.engines.vllm.metrics import StatsWindow, TierstoreKVStats, TierstorePromMetrics
 from tierstore.engines.vllm.pages import PageLayoutError
 from tierstore.engines.vllm.plan import EndTurn, LoadSpec, Planner, SaveSpec
@@ -108,6 +109,20 @@ class TierstoreConnectorMetadata(KVConnectorMetadata):
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    idle: bool = False  # the step computes nothing: the engine only waits on loads
+
+
+def computes_nothing(scheduler_output: Any) -> bool:
+    """The step schedules no token: the engine only waits on loads."""
+    return getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+
+
+def poll_wait_s(meta: Any) -> float:
+    """How long the worker may wait for a background load to end before
+    answering this step's ``get_finished``: only in a step that computes
+    nothing (``vllm.loader.IDLE_POLL_WAIT_S``), never while tokens wait."""
+    idle = isinstance(meta, TierstoreConnectorMetadata) and meta.idle
+    return IDLE_POLL_WAIT_S if idle else 0.0
 
 
 def _kv_events_on(vllm_config: Any) -> bool:
@@ -253,7 +268,7 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._slow_lookups is not None:
             self._slow_lookups.new_step()
         self._write_stats()
-        return TierstoreConnectorMetadata(loads, saves)
+        return TierstoreConnectorMetadata(loads, saves, computes_nothing(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
         if self.disabled is not None:
@@ -409,10 +424,12 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """``get_finished``'s requests, and those of them whose load failed
-        as a whole (more than one KV cache group: vLLM recomputes them)."""
+        as a whole (more than one KV cache group: vLLM recomputes them). In
+        a step that computed nothing, waits a moment for a load to end
+        (``vllm.loader.IDLE_POLL_WAIT_S``)."""
         if self.worker is None:
             return KVConnectorTransferResults()
-        finished, failed = self.worker.finished_loads()
+        finished, failed = self.worker.finished_loads(poll_wait_s(self._connector_metadata))
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

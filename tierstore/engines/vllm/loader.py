@@ -4,10 +4,20 @@ Provides ``BackgroundLoader``: ``submit(spec)`` queues a ``LoadSpec`` whose
 request waits in vLLM's WAITING_FOR_REMOTE_KVS; one loader thread pins its
 blocks in the sidecar's arena (the sidecar promotes them from NVMe, fetches
 them from a peer or the bucket, within ``load_deadline_s``) and copies them
-into the request's pages while the engine keeps running other requests.
+into the request's pages while the engine keeps running other requests. A
+load of more than ``LOAD_PIECE_BYTES`` first asks the sidecar to prefetch
+the whole prefix, then pins and copies it a piece at a time, so the copy of
+each piece runs while the sidecar brings in the next (the sidecar's pull
+lets a pin of blocks it is fetching return once they have landed).
 ``poll()`` returns the requests whose loads ended (vLLM's ``get_finished``),
 the blocks that did not load (``get_block_ids_with_load_errors``, one KV
-cache group) and the requests with such blocks (``failed_recving``).
+cache group) and the requests with such blocks (``failed_recving``). In a
+step that computes nothing (the engine only waits on loads) it first waits
+up to ``IDLE_POLL_WAIT_S`` for a load to end: vLLM would otherwise step
+again at once, its scheduler and worker processes spinning on each other
+and taking the cores the sidecar and this thread need for the load (on 2
+cores, measured: the worker process at 0.7 s of CPU in a 0.75 s peer load).
+A request that arrives meanwhile waits that long at most.
 
 Bounded: a load not done ``async_load_timeout_s`` after it was submitted is
 cancelled and reported with its missing blocks, never left pending. A
@@ -41,6 +51,10 @@ log = logging.getLogger("tierstore.engines.vllm")
 # Copies pinned blocks (client, layout, arena offsets) into vLLM's blocks (ids per
 # group), every layer, and returns once the copies are done (the pins are released after).
 CopyIn = Callable[[StoreClient, KVLayout, list[int], GroupIds], None]
+LOAD_PIECE_BYTES = 64 << 20  # a load longer than this is pinned and copied this much at a time
+# While the engine has nothing to compute but waits on loads, ``poll`` waits this long
+# at most for one to end, instead of vLLM stepping (and its processes spinning) at once.
+IDLE_POLL_WAIT_S = 0.02
 
 
 @dataclass(slots=True)
@@ -85,6 +99,7 @@ class BackgroundLoader:
         self.link = link if link is not None else StoreLink(settings, "vllm-loader")
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._jobs: dict[str, _Job] = {}  # submitted, not yet polled as ended
+        self._ended = threading.Event()  # set by the thread as each job ends
         # Attach now, not in the first background load (before the thread uses the link).
         self.link.client()
         self._thread = threading.Thread(target=self._run, name="tierstore-vllm-loader", daemon=True)
@@ -102,10 +117,16 @@ class BackgroundLoader:
     def in_flight(self) -> int:
         return len(self._jobs)
 
-    def poll(self) -> tuple[set[str], set[int], set[str]]:
+    def poll(self, wait_s: float = 0.0) -> tuple[set[str], set[int], set[str]]:
         """Requests whose loads ended (done, failed or past their deadline),
         the vLLM blocks of theirs that did not load (first group's ids) and
-        the requests with such blocks."""
+        the requests with such blocks. ``wait_s`` > 0: if loads are in
+        flight, first wait that long at most (never past a load's deadline)
+        for one to end."""
+        if wait_s > 0 and self._jobs:
+            soonest = min(job.deadline for job in self._jobs.values())
+            self._ended.wait(min(wait_s, max(0.0, soonest - time.monotonic())))
+        self._ended.clear()  # a job ending from here on is seen below or sets it again
         finished: set[str] = set()
         failed: set[int] = set()
         failed_reqs: set[str] = set()
@@ -154,6 +175,7 @@ class BackgroundLoader:
                 with job.lock:
                     job.done = True
                     job.ended = time.monotonic()
+                self._ended.set()
 
     def _load(self, job: _Job) -> None:
         spec = job.spec
@@ -162,11 +184,17 @@ class BackgroundLoader:
             return
         layout = self.layouts_for(spec.salt)[self.tp_rank]
         keys = list(spec.keys[self.tp_rank])
+        piece = min(client.max_batch_keys, max(1, LOAD_PIECE_BYTES // layout.block_bytes))
+        if len(keys) > piece:
+            # The sidecar brings the whole prefix toward DRAM in the background
+            # (one peer pull, NVMe promotions) while this thread pins and copies
+            # it piece by piece: each copy overlaps the arrival of what follows.
+            client.prefetch(layout, keys, "best_effort")
         while job.got < len(keys):
             left_s = job.deadline - time.monotonic()
             if left_s <= 0:
                 return
-            chunk = keys[job.got : job.got + client.max_batch_keys]
+            chunk = keys[job.got : job.got + piece]
             pinned = client.acquire(
                 layout,
                 chunk,

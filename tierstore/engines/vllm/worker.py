@@ -265,15 +265,16 @@ class ConnectorWorker:
         self._to_pages(mover, offsets, ids)
         mover.sync()
 
-    def finished_loads(self) -> tuple[set[str], set[str]]:
+    def finished_loads(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
         """Requests whose background loads ended since the last call, and
         those of them that failed. With one group their failed blocks join
         the load errors (reported in the same step, and vLLM recomputes only
         them) and no request is failed; with more, vLLM only takes the
-        failed requests (``failed_recving``)."""
+        failed requests (``failed_recving``). ``wait_s``: see
+        ``BackgroundLoader.poll``."""
         if self._loader is None:
             return set(), set()
-        finished, failed_blocks, failed_reqs = self._loader.poll()
+        finished, failed_blocks, failed_reqs = self._loader.poll(wait_s)
         if max(self.group_of, default=0) > 0:
             return finished, failed_reqs
         self._load_errors.update(failed_blocks)
