@@ -190,6 +190,22 @@ def test_pinned_blocks_survive_pressure(store: TieredStore, layout: KVLayout) ->
     assert store.release(keys[:10]) == 10
 
 
+def test_between_the_watermarks_the_demoter_spills_nothing(store_config, layout: KVLayout) -> None:
+    """Usage above the low watermark but never past the high one is left
+    alone, however many times the demoter polls: the high mark is what
+    wakes it (it once spilled to the low mark at every poll, so DRAM held
+    no more than the low mark and loads from it went to NVMe)."""
+    cfg = store_config(dram_high_watermark=0.9, dram_low_watermark=0.25, demoter_poll_s=0.02)
+    with TieredStore(cfg) as s:
+        capacity = s.dram.allocator.capacity_bytes
+        n = int(0.8 * capacity) // layout.block_bytes  # 0.8: between the marks
+        keys = chain_keys(layout, np.arange(layout.block_tokens * n))
+        assert all(s.put(layout, keys, blocks_for(keys, layout.block_bytes)))
+        time.sleep(20 * cfg.demoter_poll_s)  # many polls
+        assert s.dram.used_bytes() == n * layout.block_bytes > cfg.dram_low_watermark * capacity
+        assert list(s.lookup(layout, keys).tiers) == [TierName.DRAM] * n
+
+
 def test_background_demoter_spills_from_high_to_low_watermark(
     store_config, layout: KVLayout, eviction: str
 ) -> None:

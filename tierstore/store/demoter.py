@@ -125,6 +125,8 @@ class Demoter:
                     self._wake.wait(timeout=self._poll_s)
                 if self._closing:
                     return
+                if self.dram.used_bytes() <= self.high_bytes:
+                    continue  # a poll, not a pass of the high watermark: spill nothing
             while self.dram.used_bytes() > self.low_bytes and not self._closing:
                 with self.lock:
                     victims = self._take_victims(self.dram.used_bytes() - self.low_bytes)
