@@ -195,9 +195,11 @@ def spec(rid: str, n: int) -> LoadSpec:
     return LoadSpec(rid, "", tuple(tuple(k) for k in keys), (tuple(range(100, 100 + n)),), True)
 
 
-def loader(client: FakeClient | None, timeout_s: float = 5.0) -> tuple[BackgroundLoader, list]:
+def loader(
+    client: FakeClient | None, timeout_s: float = 5.0, **settings_: Any
+) -> tuple[BackgroundLoader, list]:
     copies: list[tuple[tuple[int, ...], ...]] = []
-    settings = ConnectorSettings(async_load_timeout_s=timeout_s)
+    settings = ConnectorSettings(async_load_timeout_s=timeout_s, **settings_)
     ld = BackgroundLoader(
         settings,
         lambda salt: LAYOUTS,
@@ -229,6 +231,25 @@ def test_the_loader_copies_every_block_and_reports_the_request() -> None:
     assert client.prefetched == [5]  # the whole prefix asked for at once, first
     assert all(p.released for p in client.pins)
     assert ld.in_flight == 0 and ld.counters.loaded_blocks == 5
+    ld.close()
+
+
+def test_pieces_follow_load_piece_bytes_and_zero_means_no_prefetch() -> None:
+    block = LAYOUTS[0].block_bytes
+    client = FakeClient()
+    client.max_batch_keys = 100
+    ld, copies = loader(client, load_piece_bytes=2 * block)  # two blocks a piece
+    ld.submit(spec("a", 5))
+    assert poll_until(ld) == ({"a"}, set())
+    assert copies == [((100, 101),), ((102, 103),), ((104,),)]
+    assert client.prefetched == [5]
+    ld.close()
+    client = FakeClient()
+    client.max_batch_keys = 100
+    ld, copies = loader(client, load_piece_bytes=0)  # the whole prefix, then the copy
+    ld.submit(spec("b", 5))
+    assert poll_until(ld) == ({"b"}, set())
+    assert copies == [((100, 101, 102, 103, 104),)] and client.prefetched == []
     ld.close()
 
 

@@ -230,6 +230,10 @@ def test_settings_are_validated() -> None:
     for bad in (-1, 65, 1.5, True):
         with pytest.raises(ValueError, match="copy_threads"):
             ConnectorSettings.from_extra({"copy_threads": bad})
+    assert ConnectorSettings.from_extra({"load_piece_bytes": 0}).load_piece_bytes == 0
+    for bad in (-1, 1.5, True, "64MiB"):
+        with pytest.raises(ValueError, match="load_piece_bytes"):
+            ConnectorSettings.from_extra({"load_piece_bytes": bad})
 
 
 # -- hybrid models: vLLM's KV cache groups ------------------------------------------------

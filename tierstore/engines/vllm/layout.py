@@ -84,6 +84,10 @@ class ConnectorSettings:
     # CPU (vLLM-CPU; a GPU's copies are DMA). 0 = the cores the copying thread
     # may run on, at most 4 (memcopy.copy_thread_count; measured in docs/benchmarks.md).
     copy_threads: int = 0
+    # A background load longer than this asks the sidecar to prefetch the whole
+    # prefix and pins and copies it this much at a time, each copy overlapping
+    # the arrival of the rest; 0 = pin the whole prefix, then copy it.
+    load_piece_bytes: int = 256 << 20
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -108,6 +112,12 @@ class ConnectorSettings:
             if not getattr(settings, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(settings, name)!r}")
         copy_thread_count(settings.copy_threads)  # raises for a bad value
+        piece = settings.load_piece_bytes
+        if isinstance(piece, bool) or not isinstance(piece, int) or piece < 0:
+            raise ValueError(
+                f"load_piece_bytes must be >= 0 (0: the whole prefix at once), "
+                f"got {settings.load_piece_bytes!r}"
+            )
         if settings.removed_events_peer and not settings.removed_events_token_file:
             raise ValueError("removed_events_peer needs removed_events_token_file")
         return settings

@@ -5,7 +5,7 @@ request waits in vLLM's WAITING_FOR_REMOTE_KVS; one loader thread pins its
 blocks in the sidecar's arena (the sidecar promotes them from NVMe, fetches
 them from a peer or the bucket, within ``load_deadline_s``) and copies them
 into the request's pages while the engine keeps running other requests. A
-load of more than ``LOAD_PIECE_BYTES`` first asks the sidecar to prefetch
+load of more than ``load_piece_bytes`` first asks the sidecar to prefetch
 the whole prefix, then pins and copies it a piece at a time, so the copy of
 each piece runs while the sidecar brings in the next (the sidecar's pull
 lets a pin of blocks it is fetching return once they have landed).
@@ -51,7 +51,6 @@ log = logging.getLogger("tierstore.engines.vllm")
 # Copies pinned blocks (client, layout, arena offsets) into vLLM's blocks (ids per
 # group), every layer, and returns once the copies are done (the pins are released after).
 CopyIn = Callable[[StoreClient, KVLayout, list[int], GroupIds], None]
-LOAD_PIECE_BYTES = 64 << 20  # a load longer than this is pinned and copied this much at a time
 # While the engine has nothing to compute but waits on loads, ``poll`` waits this long
 # at most for one to end, instead of vLLM stepping (and its processes spinning) at once.
 IDLE_POLL_WAIT_S = 0.02
@@ -184,12 +183,14 @@ class BackgroundLoader:
             return
         layout = self.layouts_for(spec.salt)[self.tp_rank]
         keys = list(spec.keys[self.tp_rank])
-        piece = min(client.max_batch_keys, max(1, LOAD_PIECE_BYTES // layout.block_bytes))
-        if len(keys) > piece:
-            # The sidecar brings the whole prefix toward DRAM in the background
-            # (one peer pull, NVMe promotions) while this thread pins and copies
-            # it piece by piece: each copy overlaps the arrival of what follows.
-            client.prefetch(layout, keys, "best_effort")
+        piece = client.max_batch_keys
+        if self.settings.load_piece_bytes:
+            piece = min(piece, max(1, self.settings.load_piece_bytes // layout.block_bytes))
+            if len(keys) > piece:
+                # The sidecar brings the whole prefix toward DRAM in the background
+                # (one peer pull, NVMe promotions) while this thread pins and copies
+                # it piece by piece: each copy overlaps the arrival of what follows.
+                client.prefetch(layout, keys, "best_effort")
         while job.got < len(keys):
             left_s = job.deadline - time.monotonic()
             if left_s <= 0:
