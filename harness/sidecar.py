@@ -233,14 +233,17 @@ def start_sidecar(root: Path, *extra: str, **options: Any) -> SidecarProcess:
 
 
 @contextlib.contextmanager
-def bench_sidecar(root: Path, dram_bytes: int, *settings: str) -> Iterator[Path]:
+def bench_sidecar(
+    root: Path, dram_bytes: int, *settings: str, netns: str | None = None
+) -> Iterator[Path]:
     """A benchmark's sidecar in ``root`` (1 GiB of NVMe, no metrics, DRAM never
     spilled by the watermarks) for the duration of the block; its socket is
-    yielded. ``settings``: more ``name=value`` pairs. Stopped (and its arena
-    removed) even on error, and SIGTERMed if the benchmark dies."""
+    yielded. ``settings``: more ``name=value`` pairs; ``netns``: run inside
+    that network namespace. Stopped (and its arena removed) even on error,
+    and SIGTERMed if the benchmark dies."""
     sidecar = SidecarProcess(
         root, dram=str(dram_bytes), nvme="1GiB", settings=(*BENCH_SETTINGS, *settings),
-        die_with_parent=True,
+        die_with_parent=True, netns=netns,
     )  # fmt: skip
     try:
         sidecar.start(timeout_s=60.0)

@@ -38,8 +38,12 @@ same first token as the second ask (``first_tokens_equal``).
   them: a spill on the path writes as many bytes as the load reads);
 - ``peer_kv_vs_ceiling``: a fresh engine on B (``include_peers``), B
   holding none of it, the prefixes pulled from A, against raw TCP with
-  every piece verified (blake3) on loopback, the peer bench's ceiling
-  (``bench.peer.tier.raw_tcp_gbps``), measured right after.
+  every piece verified (blake3), the peer bench's ceiling
+  (``bench.peer.tier.raw_tcp_best``, the fastest way tried), measured right
+  after: on loopback, or with ``--link RATE`` (needs root) across the link
+  between the two network namespaces A and B then run in, shaped to that
+  rate (``tc tbf``, as ``bench.switch`` shapes it), the issue's "at the
+  link's rate".
 
 Every case's per-prompt loads, its limit and its ratio are in ``cases``,
 with ``counters``: what the serving sidecar counted during the case
@@ -60,6 +64,7 @@ import random
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +72,10 @@ from typing import Any
 from bench.engines.vllm_kv import engine_kwargs, free_port, push_to_nvme, tier_sizes
 from bench.engines.vllm_paths import BLOCK, WIDE, copy_runs_gbps
 from bench.limits import GB, emit, memcpy_gbps
-from bench.peer.tier import raw_tcp_gbps
+from bench.peer.rawtcp import in_netns
+from bench.peer.tier import raw_tcp_best
+from bench.switch.hosts import LINKS
+from harness.netns import Network, exit_on_signals
 from harness.sidecar import bench_sidecar
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import VllmEngine, kv_transfer_config, tiny_llama
@@ -133,6 +141,18 @@ def load_case(eng: VllmEngine, work: list[list[int]], reused: int, sidecar: Path
 def _counters(sidecar: Path) -> dict[str, int]:
     with StoreClient(str(sidecar), name="bench-counters") as c:
         return dict(c.stat().counters)
+
+
+def peer_ceiling(nbytes: int, net: Network | None) -> tuple[float, str]:
+    """Raw TCP + verify of ``nbytes`` (the fastest way tried) on loopback,
+    or from A's namespace to B's across the shaped link: received on a
+    thread moved into B's namespace, sent from a child in A's."""
+    if net is None:
+        return raw_tcp_best(nbytes, verify=True)
+    return in_netns(
+        net.ns[1],
+        lambda: raw_tcp_best(nbytes, verify=True, host=net.addr[1], sender_prefix=net.prefix(0)),
+    )
 
 
 def wait_demoter_quiet(sidecar: Path) -> float:
@@ -205,6 +225,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the connector's copy_threads, and the memcpy limit's threads (1-64)",
     )
     parser.add_argument(
+        "--link",
+        choices=sorted(k for k, v in LINKS.items() if v is not None),
+        help="A and B in network namespaces joined by a link shaped to this rate "
+        "(the peer case's ceiling measured across it); default: loopback",
+    )
+    parser.add_argument(
         "--in-process",
         action="store_true",
         help="vLLM's worker in its engine's process, as on a one-GPU host",
@@ -227,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         "kv_bytes": kv_bytes,
         "copy_threads": threads,
         "in_process": args.in_process,
+        "link": args.link or "loopback",
         "target": TARGET,
     }
     cases: dict[str, Any] = {}
@@ -234,8 +261,8 @@ def main(argv: list[str] | None = None) -> None:
         "llm_kwargs": engine_kwargs({args.tokens: work}, WIDE),
         "in_process": args.in_process,
     }
-    with tempfile.TemporaryDirectory(prefix="bench-vllm-load-") as tmp_s:
-        tmp = Path(tmp_s)
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-vllm-load-")))
         model = tiny_llama(tmp / "model", **WIDE.llama)
         pa, pb = free_port(), free_port()
         common = (
@@ -244,11 +271,18 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
         for side in ("a", "b"):
             (tmp / side).mkdir()
+        net = None
+        if args.link:
+            exit_on_signals()  # an interrupted run still removes its namespaces
+            net = stack.enter_context(Network(2, LINKS[args.link], prefix="tsv"))
+        ns = net.ns if net is not None else [None, None]
+        host_a, host_b = net.addr if net is not None else ("127.0.0.1", "127.0.0.1")
         with (
             bench_sidecar(tmp / "a", dram_bytes, *common, f"peer_port={pa}",
-                          f"peers=127.0.0.1:{pb}", *ROOM_FOR_PROMOTIONS) as sock_a,
+                          f"peer_host={host_a}", f"peers={host_b}:{pb}", *ROOM_FOR_PROMOTIONS,
+                          netns=ns[0]) as sock_a,
             bench_sidecar(tmp / "b", dram_bytes, *common, f"peer_port={pb}",
-                          f"peers=127.0.0.1:{pa}") as sock_b,
+                          f"peer_host={host_b}", f"peers={host_a}:{pa}", netns=ns[1]) as sock_b,
         ):  # fmt: skip
             ours = kv_transfer_config(sock_a, copy_threads=args.copy_threads)
             with VllmEngine(model, ours, log_path=tmp / "a.log", **kwargs) as eng:
@@ -281,8 +315,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             with VllmEngine(model, peer, log_path=tmp / "b.log", **kwargs) as eng:
                 case = load_case(eng, work, reused, sock_b)
-                case.limit_gbps = raw_tcp_gbps(kv_bytes, verify=True)
-                case.limit = "raw TCP on loopback, every piece verified (blake3)"
+                case.limit_gbps, how = peer_ceiling(kv_bytes, net)
+                where = f"across the {args.link} link" if net is not None else "on loopback"
+                case.limit = f"raw TCP {where}, every piece verified (blake3): {how}"
                 cases["peer"] = fig = case.figures(kv_bytes)
                 result["peer_kv_vs_ceiling"] = fig["vs_limit"]
     result["cases"] = cases

@@ -24,8 +24,11 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import blake3
 import numpy as np
@@ -36,6 +39,7 @@ PIECE_BYTES = 2 << 20  # the unit of each check (a digest per piece)
 CALL_SIZES = (512 << 10, 2 << 20)  # bytes per send and per recv_into call, each tried
 VERIFY_MODES = ("inline", "pool")
 DIGEST_BYTES = 32
+T = TypeVar("T")
 
 
 def _pieces(view: memoryview) -> list[memoryview]:
@@ -91,6 +95,8 @@ def raw_stream(
     verify: str | None,
     call_bytes: int = PIECE_BYTES,
     corrupt_piece: int = -1,
+    host: str = "127.0.0.1",
+    sender_prefix: Sequence[str] = (),
 ) -> tuple[float, list[int]]:
     """Stream ``nbytes`` from a child process ``rounds`` times into a buffer
     zeroed before each round (outside the clock), ``call_bytes`` a call on
@@ -101,7 +107,9 @@ def raw_stream(
     soon as it is in, while the next ones arrive; ``"inline"``, on the
     receiving thread, each call's bytes hashed right after they arrived;
     every piece is checked before the clock stops. The stream and the hash
-    measured together on the same cores, with no store around them."""
+    measured together on the same cores, with no store around them. The
+    receiver listens on ``host``; the sender runs behind ``sender_prefix``
+    (``ip netns exec NS``: another namespace, across a shaped link)."""
     if verify not in (None, *VERIFY_MODES):
         raise ValueError(f"verify must be None or one of {VERIFY_MODES}, got {verify!r}")
     buf = mmap.mmap(-1, nbytes)
@@ -110,11 +118,11 @@ def raw_stream(
     pieces = _pieces(view)
     pool = ThreadPoolExecutor(os.cpu_count() or 1) if verify == "pool" else None
     best, bad = math.inf, set[int]()
-    with socket.create_server(("127.0.0.1", 0)) as server:
+    with socket.create_server((host, 0)) as server:
         server.settimeout(60)
-        address = f"127.0.0.1:{server.getsockname()[1]}"
-        cmd = [sys.executable, "-m", "bench.peer.rawtcp", address, str(nbytes), str(rounds),
-               str(call_bytes), str(corrupt_piece)]  # fmt: skip
+        address = f"{host}:{server.getsockname()[1]}"
+        cmd = [*sender_prefix, sys.executable, "-m", "bench.peer.rawtcp", address, str(nbytes),
+               str(rounds), str(call_bytes), str(corrupt_piece)]  # fmt: skip
         child = subprocess.Popen(cmd, cwd=REPO)
         try:
             conn, _ = server.accept()
@@ -177,14 +185,46 @@ def _receive(
     return digests if verify == "inline" else [c.result() for c in checks]
 
 
-def best_stream(nbytes: int, rounds: int, verify: bool) -> tuple[float, str, list[int]]:
+def in_netns(ns: str, fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread moved into network namespace ``ns`` (the
+    receiving end of a stream across a link); its result, or its error
+    raised here."""
+    from harness.netns import enter_netns
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            enter_netns(ns)
+            out["result"] = fn()
+        except BaseException as e:  # raised again on the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name=f"in-{ns}")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def best_stream(
+    nbytes: int,
+    rounds: int,
+    verify: bool,
+    host: str = "127.0.0.1",
+    sender_prefix: Sequence[str] = (),
+) -> tuple[float, str, list[int]]:
     """The fastest way tried of streaming ``nbytes`` (verified with
     ``verify``): its shortest round's seconds, how (``"512 KiB calls,
-    inline"``), and the pieces flagged in any of the ways."""
+    inline"``), and the pieces flagged in any of the ways. ``host`` and
+    ``sender_prefix``: see ``raw_stream``."""
     best, how, bad = math.inf, "", set[int]()
     for call_bytes in CALL_SIZES:
         for mode in VERIFY_MODES if verify else (None,):
-            seconds, flagged = raw_stream(nbytes, rounds, mode, call_bytes)
+            seconds, flagged = raw_stream(
+                nbytes, rounds, mode, call_bytes, host=host, sender_prefix=sender_prefix
+            )
             bad |= set(flagged)
             if seconds < best:
                 best, how = seconds, f"{call_bytes >> 10} KiB calls" + (f", {mode}" if mode else "")

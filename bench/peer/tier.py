@@ -89,7 +89,7 @@ import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
@@ -143,10 +143,17 @@ def raw_tcp_gbps(nbytes: int, rounds: int = RAW_ROUNDS, verify: bool = False) ->
     return raw_tcp_best(nbytes, rounds, verify)[0]
 
 
-def raw_tcp_best(nbytes: int, rounds: int = RAW_ROUNDS, verify: bool = False) -> tuple[float, str]:
+def raw_tcp_best(
+    nbytes: int,
+    rounds: int = RAW_ROUNDS,
+    verify: bool = False,
+    host: str = "127.0.0.1",
+    sender_prefix: Sequence[str] = (),
+) -> tuple[float, str]:
     """``raw_tcp_gbps`` and how that stream was read and checked; with
-    ``verify``, raises if any piece arrived with other bytes."""
-    seconds, how, bad = best_stream(nbytes, rounds, verify)
+    ``verify``, raises if any piece arrived with other bytes. ``host`` and
+    ``sender_prefix``: across a link (``rawtcp.raw_stream``)."""
+    seconds, how, bad = best_stream(nbytes, rounds, verify, host, sender_prefix)
     if bad:
         raise RuntimeError(f"raw TCP: pieces {bad} arrived with other bytes")
     return nbytes / seconds / GB, how
