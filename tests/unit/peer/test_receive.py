@@ -28,18 +28,26 @@ from ..store.fakes import FakeNvme
 L = SMALL_LAYOUT
 
 
-def test_blocks_held_already_are_read_past_and_the_rest_committed(tmp_path) -> None:
+def _store_and_blocks(
+    tmp_path, layout: KVLayout, slots: int, seed: int
+) -> tuple[TieredStore, list, list[bytes]]:
+    """A small store of ``slots`` blocks (no NVMe) and 4 blocks of random bytes."""
     cfg = StoreConfig(
-        dram_bytes=16 * L.block_bytes,
-        dram_segment_bytes=16 * L.block_bytes,
+        dram_bytes=slots * layout.block_bytes,
+        dram_segment_bytes=slots * layout.block_bytes,
         nvme_dir=str(tmp_path / "unused"),
     )
     store = TieredStore(
         cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, FakeNvme())
     )
-    keys = chain_keys(L, list(range(4 * L.block_tokens)))
-    rng = np.random.default_rng(3)
-    data = [rng.integers(0, 256, L.block_bytes, dtype=np.uint8).tobytes() for _ in keys]
+    keys = chain_keys(layout, list(range(4 * layout.block_tokens)))
+    rng = np.random.default_rng(seed)
+    data = [rng.integers(0, 256, layout.block_bytes, dtype=np.uint8).tobytes() for _ in keys]
+    return store, keys, data
+
+
+def test_blocks_held_already_are_read_past_and_the_rest_committed(tmp_path) -> None:
+    store, keys, data = _store_and_blocks(tmp_path, L, 16, seed=3)
     sender, receiver = socket.socketpair()
     try:
         store.put(L, keys[1:2], [data[1]])  # the receiver holds block 1 already
@@ -73,17 +81,7 @@ def _receive_big(tmp_path, corrupt: tuple[int, int] | None):
     """Send 4 BIG blocks (``corrupt``: flip the byte at (block, offset) after
     its digest was taken) and receive them into a fresh store."""
     assert BIG.block_bytes % WIRE_PIECE_BYTES and BIG.block_bytes > 2 * WIRE_PIECE_BYTES
-    cfg = StoreConfig(
-        dram_bytes=8 * BIG.block_bytes,
-        dram_segment_bytes=8 * BIG.block_bytes,
-        nvme_dir=str(tmp_path / "unused"),
-    )
-    store = TieredStore(
-        cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, FakeNvme())
-    )
-    keys = chain_keys(BIG, list(range(4 * BIG.block_tokens)))
-    rng = np.random.default_rng(5)
-    data = [rng.integers(0, 256, BIG.block_bytes, dtype=np.uint8).tobytes() for _ in keys]
+    store, keys, data = _store_and_blocks(tmp_path, BIG, 8, seed=5)
     sender, receiver = socket.socketpair()
 
     def send() -> None:
