@@ -58,7 +58,7 @@ def profile_fetch(pids: dict[str, int], fetches: Callable[[], None], directory: 
     (directory / "profile.txt").write_text("\n".join(lines) + "\n")
 
 
-PROFILED_THREADS = ("tierstore-data", "tierstore-verify", "tierstore-rpc", "tierstore-peer")
+PROFILED_THREADS = ("tierstore-data", "tierstore-rpc", "tierstore-peer", "tierstore-prefetch")
 
 
 def summarize_stacks(side: str, path: Path, top: int = 6) -> list[str]:
