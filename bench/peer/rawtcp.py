@@ -24,11 +24,9 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
 
 import blake3
 import numpy as np
@@ -39,7 +37,6 @@ PIECE_BYTES = 2 << 20  # the unit of each check (a digest per piece)
 CALL_SIZES = (512 << 10, 2 << 20)  # bytes per send and per recv_into call, each tried
 VERIFY_MODES = ("inline", "pool")
 DIGEST_BYTES = 32
-T = TypeVar("T")
 
 
 def _pieces(view: memoryview) -> list[memoryview]:
@@ -183,29 +180,6 @@ def _receive(
     while pool is not None and len(checks) < len(pieces):  # a short last piece
         checks.append(pool.submit(_digest, pieces[len(checks)]))
     return digests if verify == "inline" else [c.result() for c in checks]
-
-
-def in_netns(ns: str, fn: Callable[[], T]) -> T:
-    """``fn()`` on a thread moved into network namespace ``ns`` (the
-    receiving end of a stream across a link); its result, or its error
-    raised here."""
-    from harness.netns import enter_netns
-
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            enter_netns(ns)
-            out["result"] = fn()
-        except BaseException as e:  # raised again on the caller's thread
-            out["error"] = e
-
-    thread = threading.Thread(target=run, name=f"in-{ns}")
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["result"]
 
 
 def best_stream(

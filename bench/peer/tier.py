@@ -137,12 +137,6 @@ WARM_BLOCKS = 4  # a first small fetch per receiver: its peer channels are up be
 # -- raw TCP, the limit -------------------------------------------------------------
 
 
-def raw_tcp_gbps(nbytes: int, rounds: int = RAW_ROUNDS, verify: bool = False) -> float:
-    """The fastest of the ways tried of streaming ``nbytes``, best of
-    ``rounds`` each (``rawtcp.best_stream``), in GB/s."""
-    return raw_tcp_best(nbytes, rounds, verify)[0]
-
-
 def raw_tcp_best(
     nbytes: int,
     rounds: int = RAW_ROUNDS,
@@ -150,8 +144,10 @@ def raw_tcp_best(
     host: str = "127.0.0.1",
     sender_prefix: Sequence[str] = (),
 ) -> tuple[float, str]:
-    """``raw_tcp_gbps`` and how that stream was read and checked; with
-    ``verify``, raises if any piece arrived with other bytes. ``host`` and
+    """The fastest of the ways tried of streaming ``nbytes``, best of
+    ``rounds`` each (``rawtcp.best_stream``), in GB/s, and how that stream
+    was read and checked; with ``verify``, raises if any piece arrived with
+    other bytes. ``host`` and
     ``sender_prefix``: across a link (``rawtcp.raw_stream``)."""
     seconds, how, bad = best_stream(nbytes, rounds, verify, host, sender_prefix)
     if bad:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.peer.rawtcp import CALL_SIZES, PIECE_BYTES, VERIFY_MODES, in_netns, raw_stream
-from harness.netns import Network
+from bench.peer.rawtcp import CALL_SIZES, PIECE_BYTES, VERIFY_MODES, raw_stream
+from harness.netns import Network, run_in_netns
 
 WAYS = [(mode, call) for mode in VERIFY_MODES for call in CALL_SIZES]
 
@@ -39,7 +39,7 @@ def test_across_a_link_between_namespaces_the_received_bytes_are_checked(
     the sender in one namespace, the receiver on a thread in the other;
     the check still flags a piece corrupted after hashing, and only it."""
     with Network(2, subnet="10.203.0", prefix="tsc") as net:
-        seconds, bad = in_netns(
+        seconds, bad = run_in_netns(
             net.ns[1],
             lambda: raw_stream(
                 4 * PIECE_BYTES, 2, "inline", corrupt_piece=corrupt_piece,
