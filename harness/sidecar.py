@@ -17,8 +17,8 @@ process started is stopped by its owner (``stop``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,7 +45,11 @@ SMALL_SEGMENTS = ("dram_segment_bytes=64KiB", "nvme_segment_bytes=64KiB")
 # The benchmarks' sidecars: DRAM never spilled by the watermarks, quiet logs.
 BENCH_SETTINGS = ("dram_segment_bytes=64MiB", "dram_high_watermark=1.0",
                   "dram_low_watermark=0.95", "log_level=warning")  # fmt: skip
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# util-linux's setpriv sets the death signal and execs the sidecar in place. Not a
+# preexec_fn: that makes subprocess fork() rather than vfork(), fork() runs gRPC's
+# pthread_atfork handlers, and in a process whose gRPC channels are busy those can block
+# forever (seen once: a fleet bench stuck 18 min in fork(), its next sidecar never started).
+DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "TERM", "--")
 
 
 def serve_args(
@@ -68,10 +72,12 @@ def serve_args(
     return [*args, *extra]
 
 
-def _die_with_parent() -> None:
-    """Run in the child before exec: SIGTERM it when its parent dies, even by
-    SIGKILL, so that no sidecar outlives a benchmark."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent_prefix() -> tuple[str, ...]:
+    """The command prefix that has the kernel SIGTERM a child when its parent
+    dies, even by SIGKILL, so that no sidecar outlives a benchmark."""
+    if sys.platform != "linux" or shutil.which(DIE_WITH_PARENT[0]) is None:
+        raise RuntimeError("die_with_parent needs Linux and util-linux's setpriv")
+    return DIE_WITH_PARENT
 
 
 def arenas_of(pid: int) -> list[str]:
@@ -132,13 +138,14 @@ class SidecarProcess:
     def start(self, wait: bool = True, timeout_s: float = START_TIMEOUT_S) -> float:
         """Start; with ``wait``, return the seconds from spawn to the first answered Stat."""
         self.socket.unlink(missing_ok=True)  # a killed sidecar's socket must not look ready
-        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
-        preexec = _die_with_parent if self.die_with_parent and sys.platform == "linux" else None
+        prefix = [*die_with_parent_prefix()] if self.die_with_parent else []
+        if self.netns:
+            prefix += ["ip", "netns", "exec", self.netns]
         with open(self.log_path, "ab") as log:
             self.started_at = time.monotonic()
             proc = subprocess.Popen(
                 [*prefix, *self.args], cwd=REPO, env=child_env(), stdout=log,
-                stderr=subprocess.STDOUT, preexec_fn=preexec,
+                stderr=subprocess.STDOUT,
             )  # fmt: skip
         self.procs.append(proc)
         watch_process(proc.pid)
