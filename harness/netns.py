@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeVar
 
-from .reaper import forget_netns, watch_netns
+from .reaper import forget_link, forget_netns, watch_link, watch_netns
 
 CLONE_NEWNET = 0x40000000
 _networks = itertools.count()  # networks made by this process
@@ -215,6 +215,7 @@ class Network:
     def _add_bridge(self, subnet: str) -> None:
         assert self.bridge is not None
         ip("link", "add", self.bridge, "type", "bridge")
+        watch_link(self.bridge)  # the namespaces take the veths with them, not the bridge
         self._created.append(self.bridge)
         for i, (ns, dev) in enumerate(zip(self.ns, self.dev)):
             port = f"{self.bridge}{i}"
@@ -223,6 +224,12 @@ class Network:
             ip("link", "set", port, "master", self.bridge)
             ip("link", "set", port, "up")
         if self.root_addr is not None:
+            routed = ip("-o", "route", "show", f"{subnet}.0/24").stdout.strip()
+            if routed:  # a second route to the subnet would take the hosts' packets
+                raise RuntimeError(
+                    f"{subnet}.0/24 is already routed in the root namespace ({routed}): "
+                    "a network another run left? `ip link del` its device"
+                )
             ip("addr", "add", f"{self.root_addr}/24", "dev", self.bridge)
         ip("link", "set", self.bridge, "up")
 
@@ -270,3 +277,5 @@ class Network:
             else:  # the bridge and its ports, at once (not when the kernel gets to them)
                 with contextlib.suppress(RuntimeError):
                     ip("link", "del", name, check=False)
+                if name == self.bridge:
+                    forget_link(name)

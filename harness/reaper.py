@@ -2,7 +2,8 @@
 (the OOM killer), which runs no ``finally`` block.
 
 Provides ``watch_process`` (a child, or its whole process group),
-``watch_netns`` (a network namespace), ``watch_mount`` (a filesystem the
+``watch_netns`` (a network namespace), ``watch_link`` (a device in the
+root namespace: a bridge the hosts' namespaces hang on), ``watch_mount`` (a filesystem the
 harness mounted, e.g. a small tmpfs for a full disk), ``forget_*`` (stopped
 or removed by their owner: nothing left to do), and the reaper itself
 (``main``, run as ``python -m harness.reaper``).
@@ -18,8 +19,11 @@ exits, and the reaper then cleans up what is still watched, in order:
    group leaders: an engine's core and workers go with it). Before any
    signal it notes the /dev/shm files they hold open or mapped. SIGTERM,
    ``GRACE_S`` to exit, then SIGKILL;
-2. the namespaces still there (``ip netns del``), and the mounts (``umount
-   -l``: a tmpfs gives its memory back);
+2. the namespaces still there (``ip netns del``), the root namespace's
+   devices (``ip link del``: a bridge left there keeps its address and its
+   route to the hosts' subnet, and the next run's hosts on that subnet are
+   unreachable), and the mounts (``umount -l``: a tmpfs gives its memory
+   back);
 3. the /dev/shm files those processes held (a sidecar's arena, an engine's
    queues and semaphores), once no live process holds them.
 
@@ -118,6 +122,14 @@ def forget_netns(name: str) -> None:
     _send(f"forget-netns {name}")
 
 
+def watch_link(name: str) -> None:
+    _send(f"link {name}")
+
+
+def forget_link(name: str) -> None:
+    _send(f"forget-link {name}")
+
+
 def watch_mount(path: str) -> None:
     if any(c.isspace() for c in path):
         raise ValueError(f"a watched mount's path cannot hold whitespace: {path!r}")
@@ -205,7 +217,10 @@ def _mounted(path: str) -> bool:
 
 
 def reap(
-    procs: dict[int, tuple[int, bool]], netns: set[str], mounts: set[str] | None = None
+    procs: dict[int, tuple[int, bool]],
+    netns: set[str],
+    mounts: set[str] | None = None,
+    links: set[str] | None = None,
 ) -> list[str]:
     """Stop what is watched and remove what it leaves; returns what was done."""
     done: list[str] = []
@@ -225,6 +240,13 @@ def reap(
             )
             failed = f" failed: {out.stderr.strip()}" if out.returncode else ""
             done.append(f"netns {name} deleted{failed}")
+    for name in sorted(links or ()):
+        if Path(f"/sys/class/net/{name}").exists():
+            out = subprocess.run(
+                ["ip", "link", "del", name], capture_output=True, text=True, timeout=20
+            )
+            failed = f" failed: {out.stderr.strip()}" if out.returncode else ""
+            done.append(f"link {name} deleted{failed}")
     for mount in sorted(mounts or ()):
         if _mounted(mount):
             out = subprocess.run(
@@ -242,6 +264,7 @@ def main() -> int:
     procs: dict[int, tuple[int, bool]] = {}
     netns: set[str] = set()
     mounts: set[str] = set()
+    links: set[str] = set()
     for line in sys.stdin:
         verb, *args = line.split()
         if verb == "proc":
@@ -252,11 +275,15 @@ def main() -> int:
             netns.add(args[0])
         elif verb == "forget-netns":
             netns.discard(args[0])
+        elif verb == "link":
+            links.add(args[0])
+        elif verb == "forget-link":
+            links.discard(args[0])
         elif verb == "mount":
             mounts.add(args[0])
         elif verb == "forget-mount":
             mounts.discard(args[0])
-    done = reap(procs, netns, mounts) if procs or netns or mounts else []
+    done = reap(procs, netns, mounts, links) if procs or netns or mounts or links else []
     if done:
         with open(sys.argv[1], "a") as log:
             for entry in done:

@@ -1,6 +1,7 @@
 """The harness process that tests/reliability/test_reaper.py SIGKILLs.
 
-Makes what a test or benchmark makes: two network namespaces, a sidecar in
+Makes what a test or benchmark makes: two network namespaces on a bridge
+in the root namespace (with an address there, as the fleet's), a sidecar in
 one of them (its arena in /dev/shm; started without the parent-death signal,
 so only the reaper can stop it), a process group of two (a shell and its
 child) holding a /dev/shm file open, as an engine holds its queues, and a
@@ -28,7 +29,7 @@ LIFE_S = 300.0  # bounded: it is meant to be killed long before
 
 def main() -> None:
     root = Path(sys.argv[1])
-    net = Network(2, prefix="trp")
+    net = Network(2, prefix="trp", subnet="10.209.0", root_addr="10.209.0.254")
     sidecar = SidecarProcess(root / "sidecar", netns=net.ns[0])
     sidecar.start()
     held = f"/dev/shm/tierstore-reaper-test-{os.getpid()}"
@@ -48,6 +49,7 @@ def main() -> None:
         "pids": [sidecar.pid, group.pid],
         "group": group.pid,
         "netns": net.ns,
+        "links": [net.bridge],
         "shm": [f"/dev/shm/{name}" for name in arenas_of(sidecar.pid)] + [held],
         "mounts": [str(mount)],
     }

@@ -2,12 +2,13 @@
 ``harness.reaper``.
 
 A harness process (tests/reliability/reaper_child.py) makes two network
-namespaces, a sidecar in one (its arena in /dev/shm), a process group
-holding a /dev/shm file and a tmpfs mount, then is SIGKILLed. Proved: within
-a bounded wait no process it started is alive, neither namespace exists, no
-/dev/shm file of theirs is left and the tmpfs is unmounted. The control runs
-the same child with the reaper off and finds all four kinds left behind
-(then removes them itself), so the check fails when nothing cleans up.
+namespaces on a bridge in the root namespace, a sidecar in one (its arena
+in /dev/shm), a process group holding a /dev/shm file and a tmpfs mount,
+then is SIGKILLed. Proved: within a bounded wait no process it started is
+alive, neither namespace nor the bridge exists, no /dev/shm file of theirs
+is left and the tmpfs is unmounted. The control runs the same child with
+the reaper off and finds all five kinds left behind (then removes them
+itself), so the check fails when nothing cleans up.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 
 from harness import REPO, child_env
-from harness.netns import delete_namespace
+from harness.netns import Network, delete_namespace
 from harness.reaper import start_time
 
 READY_S = 60.0
@@ -58,6 +59,7 @@ def left(made: dict[str, Any]) -> dict[str, list[Any]]:
     return {
         "processes": [p for p, t in made["starts"].items() if t and start_time(p) == t],
         "netns": [n for n in made["netns"] if os.path.exists(f"/run/netns/{n}")],
+        "links": [n for n in made["links"] if os.path.exists(f"/sys/class/net/{n}")],
         "shm": [f for f in made["shm"] if os.path.exists(f)],
         "mounts": [m for m in made["mounts"] if mounted(m)],
     }
@@ -76,7 +78,7 @@ def kill_harness(proc: subprocess.Popen[bytes]) -> None:
 def test_nothing_outlives_a_sigkilled_harness(tmp_path: Path) -> None:
     proc, made = start_child(tmp_path, reaper=True)
     before = left(made)
-    assert all(before.values()), f"the child did not make all four kinds: {before}"
+    assert all(before.values()), f"the child did not make all five kinds: {before}"
     assert len(made["shm"]) >= 2  # the sidecar's arena and the group's file
     kill_harness(proc)
     deadline = time.monotonic() + REAPED_S
@@ -91,7 +93,7 @@ def test_the_control_without_the_reaper_leaves_them(tmp_path: Path) -> None:
         kill_harness(proc)
         time.sleep(2.0)
         now = left(made)
-        assert now["processes"] and now["netns"] and now["shm"] and now["mounts"], now
+        assert all(now[kind] for kind in ("processes", "netns", "links", "shm", "mounts")), now
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(made["group"], signal.SIGKILL)
@@ -103,8 +105,30 @@ def test_the_control_without_the_reaper_leaves_them(tmp_path: Path) -> None:
             time.sleep(0.05)
         for name in made["netns"]:
             delete_namespace(name)
+        for name in made["links"]:
+            subprocess.run(["ip", "link", "del", name], check=False, timeout=30)
         for path in made["shm"]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         for mount in made["mounts"]:
             subprocess.run(["umount", "-l", mount], check=False, timeout=30)
+
+
+def test_a_network_refuses_a_subnet_another_run_left_routed() -> None:
+    """What the reaper prevents, caught if it ever happens: a bridge left with
+    an address on the subnet takes the new hosts' packets, so a network on
+    that subnet refuses to start, says why, and leaves nothing behind."""
+    stale = f"trs{os.getpid() % 100000}x"
+    subprocess.run(["ip", "link", "add", stale, "type", "bridge"], check=True, timeout=30)
+    try:
+        subprocess.run(
+            ["ip", "addr", "add", "10.208.0.250/24", "dev", stale], check=True, timeout=30
+        )
+        subprocess.run(["ip", "link", "set", stale, "up"], check=True, timeout=30)
+        before = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+        with pytest.raises(RuntimeError, match=rf"10\.208\.0\.0/24 is already routed.*{stale}"):
+            Network(2, prefix="trs", subnet="10.208.0", root_addr="10.208.0.254")
+        after = set(os.listdir("/run/netns")) if os.path.isdir("/run/netns") else set()
+        assert after == before, f"namespaces left: {after - before}"
+    finally:
+        subprocess.run(["ip", "link", "del", stale], check=False, timeout=30)
