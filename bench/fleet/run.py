@@ -1,7 +1,8 @@
 """A fleet of real engines behind the gateway, placed five ways, on one schedule.
 
     python -m bench.fleet.run --json [--link 10g|1g] [--repeats 3] [--modes a,b]
-                              [--quick] [--no-failover] [--plot OUT.png]
+                              [--quick] [--no-failover] [--out FILE]
+    python bench/plot.py --fleet FILE       # the TTFT chart, docs/img/fleet_ttft.png
 
 The topology is deploy/kubernetes/tierstore.yaml's on one machine
 (``bench.fleet.topology``): two hosts, each a network namespace with a vLLM
