@@ -49,7 +49,7 @@ BENCH_SETTINGS = ("dram_segment_bytes=64MiB", "dram_high_watermark=1.0",
 # preexec_fn: that makes subprocess fork() rather than vfork(), fork() runs gRPC's
 # pthread_atfork handlers, and in a process whose gRPC channels are busy those can block
 # forever (seen once: a fleet bench stuck 18 min in fork(), its next sidecar never started).
-DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "TERM", "--")
+_DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "TERM", "--")
 
 
 def serve_args(
@@ -75,9 +75,9 @@ def serve_args(
 def die_with_parent_prefix() -> tuple[str, ...]:
     """The command prefix that has the kernel SIGTERM a child when its parent
     dies, even by SIGKILL, so that no sidecar outlives a benchmark."""
-    if sys.platform != "linux" or shutil.which(DIE_WITH_PARENT[0]) is None:
+    if sys.platform != "linux" or shutil.which(_DIE_WITH_PARENT[0]) is None:
         raise RuntimeError("die_with_parent needs Linux and util-linux's setpriv")
-    return DIE_WITH_PARENT
+    return _DIE_WITH_PARENT
 
 
 def arenas_of(pid: int) -> list[str]:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from harness import REPO, child_env
-from harness.sidecar import DIE_WITH_PARENT, die_with_parent_prefix
+from harness.reaper import start_time
 
 PARENT = """
 import sys, time
@@ -34,13 +34,7 @@ WAIT_S = 30.0
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by init) counts as gone.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return start_time(pid) != 0  # 0: gone, or a zombie not yet reaped by init
 
 
 def _sidecar_of_killed_parent(tmp_path: Path, die_with_parent: bool) -> int:
@@ -85,7 +79,3 @@ def test_without_it_the_sidecar_outlives_its_parent(tmp_path: Path) -> None:
     finally:
         os.kill(pid, signal.SIGTERM)
         assert _gone_within(pid, WAIT_S)
-
-
-def test_the_prefix_names_setpriv() -> None:
-    assert die_with_parent_prefix() == DIE_WITH_PARENT
