@@ -1,7 +1,7 @@
 """A fleet of real engines behind the gateway, placed five ways, on one schedule.
 
     python -m bench.fleet.run --json [--link 10g|1g] [--repeats 3] [--modes a,b]
-                              [--quick] [--no-failover] [--out FILE]
+                              [--time-scale auto|K] [--quick] [--no-failover] [--out FILE]
     python bench/plot.py --fleet FILE       # the TTFT chart, docs/img/fleet_ttft.png
 
 The topology is deploy/kubernetes/tierstore.yaml's on one machine
@@ -14,6 +14,15 @@ namespace. Every mode gets fresh engines, sidecars and gateway, the same
 seeded open-loop schedule (``bench.fleet.workload``: skewed on purpose, so
 that cache affinity alone makes one host a hotspot) and the same warm-up;
 the modes' order rotates from one repeat to the next.
+
+The schedule's pace is set by this machine's engines (``calibrate``, before
+any mode runs): plain engines prefill cold first-turn prompts of the
+workload's shape, and every time of the schedule is stretched by the
+reference rate over the measured one (``time_scale``; ``--time-scale K``
+fixes it instead). A fixed schedule meant a light load on one CPU and an
+overload on a 5x slower one, where every mode queues for minutes and a
+user's next turn is sent long before its last one is answered. The
+measured rate is also the gateway cost model's starting prefill speed.
 
 Modes (the gateway's ``gateway_policy``):
 - ``round_robin``, ``least_loaded``: plain engines, no store;
@@ -39,12 +48,14 @@ never run the conversation: the prefix can only have come from a store),
 ``requests_failed``; and where prompt tokens came from (the engines'
 ``vllm:prompt_tokens_by_source``).
 
-Top level: ``gateway_overhead_p50_ms`` (TTFT through the gateway minus TTFT
-straight to the same engine, a cached prompt, the fleet idle, interleaved
-pairs) and ``failover`` (a tierstore run whose host 0 engine is SIGKILLed
-half way: ``requests_failed`` counts only streams cut after their first
-byte, ``not_started_failed`` must be 0, ``warm_share`` is the share of the
-dead engine's conversations whose next turn resumed warm on the survivor).
+Top level: ``calibration`` (the measured prefill rate, each prompt's TTFT,
+the scale it implies and the one used), ``gateway_overhead_p50_ms`` (TTFT
+through the gateway minus TTFT straight to the same engine, a cached
+prompt, the fleet idle, interleaved pairs) and ``failover`` (a tierstore
+run whose host 0 engine is SIGKILLed half way: ``requests_failed`` counts
+only streams cut after their first byte, ``not_started_failed`` must be 0,
+``warm_share`` is the share of the dead engine's conversations whose next
+turn resumed warm on the survivor).
 """
 
 from __future__ import annotations
@@ -52,9 +63,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
+import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -68,7 +82,7 @@ from bench.fleet.figures import (
     turn_figures,
 )
 from bench.fleet.topology import BLOCK_TOKENS, MODES, Fleet, Sizing
-from bench.fleet.workload import FleetWorkload, Request, schedule
+from bench.fleet.workload import REFERENCE_PREFILL_TOKENS_PER_S, FleetWorkload, Request, schedule
 from bench.limits import emit
 from harness.chat_load import Sample, Scheduled, percentile, run_schedule
 from harness.netns import exit_on_signals
@@ -76,6 +90,7 @@ from tierstore.engines.vllm.driver import WIDE_KV, chat_tokenizer, tiny_llama
 
 KV_BYTES_PER_TOKEN = 2 * WIDE_KV["num_layers"] * WIDE_KV["kv_heads"] * WIDE_KV["head_dim"] * 2
 REQUEST_TIMEOUT_S = 600.0
+CALIBRATION_PROMPTS = 2  # cold first-turn prompts each engine prefills before the modes run
 QUICK = FleetWorkload(
     users=6,
     hot_users=3,
@@ -95,7 +110,7 @@ def model_dir() -> Path:
     return chat_tokenizer(tiny_llama(path, **WIDE_KV))
 
 
-def sizing(w: FleetWorkload, kv_sessions: int = 3) -> Sizing:
+def sizing(w: FleetWorkload, kv_sessions: int = 3, prefill_tokens_per_s: float = 2000.0) -> Sizing:
     """vLLM's own cache holds ``kv_sessions`` conversations' final contexts (a
     GPU's HBM holds a few long sessions: they are evicted between turns); a
     sidecar's DRAM holds them all."""
@@ -104,7 +119,13 @@ def sizing(w: FleetWorkload, kv_sessions: int = 3) -> Sizing:
     max_len = -(-(final + 256) // BLOCK_TOKENS) * BLOCK_TOKENS
     kv = max(kv_sessions * final, max_len + BLOCK_TOKENS) * KV_BYTES_PER_TOKEN
     dram = -(-int(total_tokens * KV_BYTES_PER_TOKEN * 1.5) // (64 << 20)) * (64 << 20)
-    return Sizing(kv_cache_bytes=kv, dram_bytes=dram, nvme_bytes=2 * dram, max_model_len=max_len)
+    return Sizing(
+        kv_cache_bytes=kv,
+        dram_bytes=dram,
+        nvme_bytes=2 * dram,
+        max_model_len=max_len,
+        prefill_tokens_per_s=prefill_tokens_per_s,
+    )
 
 
 def scheduled(requests: list[Request], w: FleetWorkload) -> list[Scheduled]:
@@ -135,6 +156,64 @@ def warm_up(url: str, w: FleetWorkload) -> None:
         hot_think_s=0.5,
     )
     run_schedule(url, scheduled(schedule(probe), w), timeout_s=REQUEST_TIMEOUT_S)
+
+
+# -- the machine's pace -------------------------------------------------------------------------
+
+
+def cold_prompts(w: FleetWorkload, n: int, first: int = 0) -> list[Request]:
+    """``n`` first-turn prompts of ``w``'s shape (a group's context and a
+    user's history) that no user sends and no two of which share a block."""
+    out = []
+    for i in range(n):
+        one = replace(w, users=1, hot_users=1, turns=2, seed=w.seed + 1000 + first + i)
+        out.append(next(r for r in schedule(one) if r.turn == 0))
+    return out
+
+
+def auto_time_scale(prefill_tokens_per_s: float) -> float:
+    """How much slower than the schedule's reference this machine's engines
+    prefill: the factor every time of the schedule is stretched by."""
+    if not prefill_tokens_per_s > 0:
+        raise ValueError(f"measured prefill rate {prefill_tokens_per_s} tokens/s is not positive")
+    scale = round(REFERENCE_PREFILL_TOKENS_PER_S / prefill_tokens_per_s, 2)
+    FleetWorkload(time_scale=scale)  # refuses a scale outside the schedule's range
+    return scale
+
+
+def calibrate(
+    root: Path, link: str, w: FleetWorkload, model: Path, prompts: int = CALIBRATION_PROMPTS
+) -> dict[str, Any]:
+    """This machine's engine speed: plain engines as every mode has them (one
+    core each, lower priority), warmed up as every mode is; then each engine
+    prefills ``prompts`` cold first-turn prompts, one at a time and one output
+    token each, both engines at once (each on its own core, as in a run)."""
+    with Fleet(root, MODES["round_robin"], link, sizing(w), model) as fleet:
+        warm_up(fleet.gateway_url, w)
+
+        def prefill(i: int) -> list[dict[str, Any]]:
+            out = []
+            for r in cold_prompts(w, prompts, first=i * prompts):
+                one = scheduled([replace(r, at_s=0.0)], w)[0]
+                one = replace(one, body={**one.body, "max_tokens": 1})
+                (s,), _ = run_schedule(fleet.engines[i].url, [one], timeout_s=REQUEST_TIMEOUT_S)
+                if s.ttft_s is None or s.error or s.cached_tokens:
+                    raise RuntimeError(
+                        f"calibration prompt on engine {i}: error {s.error!r}, "
+                        f"ttft {s.ttft_s}, cached {s.cached_tokens} (it must be cold)"
+                    )
+                out.append({"engine": i, "prompt_tokens": s.prompt_tokens, "ttft_s": s.ttft_s})
+            return out
+
+        with ThreadPoolExecutor(len(fleet.engines)) as pool:
+            runs = [run for one in pool.map(prefill, range(len(fleet.engines))) for run in one]
+    rate = statistics.median(r["prompt_tokens"] / r["ttft_s"] for r in runs)
+    return {
+        "prefill_tokens_per_s": round(rate, 1),
+        "reference_prefill_tokens_per_s": REFERENCE_PREFILL_TOKENS_PER_S,
+        "auto_time_scale": auto_time_scale(rate),
+        "runs": [{**r, "ttft_s": round(r["ttft_s"], 3)} for r in runs],
+    }
 
 
 # -- the gateway's own overhead --------------------------------------------------------------
@@ -181,14 +260,13 @@ def run_mode(
     link: str,
     w: FleetWorkload,
     model: Path,
+    size: Sizing,
     *,
     overhead_pairs: int = 0,
     kill_at_s: float | None = None,
     replicas: bool = True,
-    kv_sessions: int = 3,
 ) -> dict[str, Any]:
     requests = schedule(w)
-    size = sizing(w, kv_sessions)
     with Fleet(root, MODES[mode], link, size, model, replicas=replicas) as fleet:
         warm_up(fleet.gateway_url, w)
         if kill_at_s is not None:  # the failover run: host 0's engine dies mid-run
@@ -254,6 +332,12 @@ def main() -> int:
         default="on",
         help="sidecars push each turn's blocks to the other host (kv_share)",
     )
+    p.add_argument(
+        "--time-scale",
+        default="auto",
+        help="stretch the schedule's times by this factor; auto: by the reference prefill "
+        f"rate ({REFERENCE_PREFILL_TOKENS_PER_S:.0f} tokens/s) over this machine's, measured",
+    )
     p.add_argument("--out", type=Path, help="write the JSON here too")
     p.add_argument("--keep", action="store_true", help="keep the run directory (logs)")
     args = p.parse_args()
@@ -263,14 +347,33 @@ def main() -> int:
     unknown = set(modes) - set(MODES)
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; known: {list(MODES)}")
+    fixed_scale = None
+    if args.time_scale != "auto":
+        try:
+            fixed_scale = float(args.time_scale)
+            replace(w, time_scale=fixed_scale)
+        except ValueError as e:
+            p.error(f"--time-scale {args.time_scale!r}: auto or a factor in 0.05-100 ({e})")
     model = model_dir()
     root = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
+    calibration = calibrate(root / "calibration", args.link, w, model)
+    scale = calibration["auto_time_scale"] if fixed_scale is None else fixed_scale
+    calibration["time_scale"] = scale
+    print(
+        f"calibration: {calibration['prefill_tokens_per_s']:.0f} prompt tokens/s cold prefill, "
+        f"schedule times x{scale}",
+        file=sys.stderr,
+        flush=True,
+    )
+    w = replace(w, time_scale=scale)
+    size = sizing(w, args.kv_sessions, calibration["prefill_tokens_per_s"])
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     result: dict[str, Any] = {
         "link": args.link,
+        "calibration": calibration,
         "workload": asdict(w),
         "returning_turns_scheduled": w.returning_turns,
-        "sizing": asdict(sizing(w, args.kv_sessions)),
+        "sizing": asdict(size),
         "replicas": args.replicas,
         "repeats": args.repeats,
     }
@@ -284,9 +387,9 @@ def main() -> int:
                 args.link,
                 w,
                 model,
+                size,
                 overhead_pairs=pairs,
                 replicas=args.replicas == "on",
-                kv_sessions=args.kv_sessions,
             )
             if "overhead" in out:
                 result["gateway_overhead"] = out.pop("overhead")
@@ -304,9 +407,9 @@ def main() -> int:
             args.link,
             w,
             model,
+            size,
             kill_at_s=span / 2,
             replicas=args.replicas == "on",
-            kv_sessions=args.kv_sessions,
         )
         result["failover"] = out["failover"]
     result["targets"] = targets(result)

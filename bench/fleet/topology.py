@@ -89,6 +89,7 @@ class Sizing:
     nvme_bytes: int
     max_model_len: int
     prefix_max_waiting: float = 2.0  # prefix_aware: a host with more waiting is full
+    prefill_tokens_per_s: float = 2000.0  # the cost model's starting speed (the bench measures it)
 
 
 class Fleet(Started):
@@ -192,9 +193,11 @@ class Fleet(Started):
             gateway["gateway_backends"] = [f"{e.url}{ev}" for e, ev in zip(self.engines, events)]
             gateway["gateway_layout"] = json.dumps(self.key_layout())
         # The cost model's starting speeds: this model's cold prefill on one
-        # core here (1,600-2,100 tokens/s, measured), the link, a CPU host's
-        # memory copy; the gateway calibrates each engine from its answers.
-        router = {"prefill_tokens_per_s": 2000.0, "peer_load_bytes_per_s": link_bytes_per_s,
+        # core of this machine (measured before the modes run), the link, a
+        # CPU host's memory copy; the gateway calibrates each engine from its
+        # answers.
+        router = {"prefill_tokens_per_s": self.sizing.prefill_tokens_per_s,
+                  "peer_load_bytes_per_s": link_bytes_per_s,
                   "dram_load_bytes_per_s": 5e9}  # fmt: skip
         config = self.root / "gateway.toml"
         config.write_text(_toml({"gateway": gateway, "peer": peer, "router": router}))

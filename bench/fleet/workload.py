@@ -16,7 +16,12 @@ of every mode's run, fixed before the run from the seed alone:
 - open loop: turn n+1 of a user is sent at a time the schedule fixes, not
   when that mode finished turn n, so a slow mode's late turns do not
   shift the arrivals of the others (``bench/serving/vllm_serve.py`` once
-  let each mode's speed set its own arrival times).
+  let each mode's speed set its own arrival times);
+- ``time_scale`` stretches every time of the schedule (first-turn spread and
+  gaps) by one factor: the times above are for engines that prefill
+  ``REFERENCE_PREFILL_TOKENS_PER_S``, and on an engine k times slower the
+  same schedule at scale k asks the same share of its time (the bench
+  measures the rate and sets the scale, ``bench.fleet.run.calibrate``).
 
 Text is words of ``engines.vllm.driver.chat_tokenizer`` (``w0 w1 ...``: one
 token a word), so prompt lengths are known in tokens. Pure; any thread.
@@ -27,6 +32,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from typing import Any
+
+# The engine speed the default times are sized for: the wide-KV model's cold
+# prefill on one core of the Intel Xeon (AMX) the bench was first run on
+# (1,600-2,100 tokens/s, measured), where the engines kept up in every mode.
+REFERENCE_PREFILL_TOKENS_PER_S = 2000.0
 
 
 @dataclass(frozen=True)
@@ -45,10 +55,13 @@ class FleetWorkload:
     jitter: float = 0.2  # each gap scaled by a factor in [1 - jitter, 1 + jitter]
     seed: int = 2026
     vocab_words: int = 1000  # w0 .. w999 (chat_tokenizer's words of a 1024-id vocabulary)
+    time_scale: float = 1.0  # every time above, multiplied (a slower engine: > 1)
 
     def __post_init__(self) -> None:
         if not 0 < self.hot_users <= self.users or self.groups < 1 or self.turns < 2:
             raise ValueError(f"bad workload: {self}")
+        if not 0.05 <= self.time_scale <= 100:
+            raise ValueError(f"time_scale {self.time_scale} is outside 0.05-100")
 
     @property
     def returning_turns(self) -> int:
@@ -93,7 +106,7 @@ def schedule(w: FleetWorkload) -> list[Request]:
         group = 0 if hot else 1 + (u - w.hot_users) % max(w.groups - 1, 1)
         group = min(group, w.groups - 1)
         think = w.hot_think_s if hot else w.think_s
-        at = w.start_spread_s * rng.random()
+        at = w.start_spread_s * w.time_scale * rng.random()
         messages: list[dict[str, str]] = [
             {"role": "system", "content": contexts[group]},
             {"role": "user", "content": text(w.history_tokens)},
@@ -104,6 +117,6 @@ def schedule(w: FleetWorkload) -> list[Request]:
                 messages.append({"role": "assistant", "content": text(w.output_tokens)})
                 messages.append({"role": "user", "content": text(w.message_tokens)})
                 words += w.output_tokens + w.message_tokens
-                at += think * rng.uniform(1 - w.jitter, 1 + w.jitter)
+                at += think * w.time_scale * rng.uniform(1 - w.jitter, 1 + w.jitter)
             out.append(Request(u, turn, group, hot, round(at, 3), tuple(messages), words))
     return sorted(out, key=lambda r: r.at_s)
