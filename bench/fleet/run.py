@@ -110,7 +110,11 @@ def model_dir() -> Path:
     return chat_tokenizer(tiny_llama(path, **WIDE_KV))
 
 
-def sizing(w: FleetWorkload, kv_sessions: int = 3, prefill_tokens_per_s: float = 2000.0) -> Sizing:
+def sizing(
+    w: FleetWorkload,
+    kv_sessions: int = 3,
+    prefill_tokens_per_s: float = REFERENCE_PREFILL_TOKENS_PER_S,
+) -> Sizing:
     """vLLM's own cache holds ``kv_sessions`` conversations' final contexts (a
     GPU's HBM holds a few long sessions: they are evicted between turns); a
     sidecar's DRAM holds them all."""
