@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.fleet.workload import REFERENCE_PREFILL_TOKENS_PER_S
 from harness import REPO, Started, child_env
 from harness.etcd import EtcdProcess
 from harness.netns import Network, Shape
@@ -89,7 +90,8 @@ class Sizing:
     nvme_bytes: int
     max_model_len: int
     prefix_max_waiting: float = 2.0  # prefix_aware: a host with more waiting is full
-    prefill_tokens_per_s: float = 2000.0  # the cost model's starting speed (the bench measures it)
+    # The cost model's starting speed (the bench measures it before the modes run).
+    prefill_tokens_per_s: float = REFERENCE_PREFILL_TOKENS_PER_S
 
 
 class Fleet(Started):
