@@ -144,6 +144,55 @@ def _mem_available_bytes() -> int | None:
     return _kib_line("/proc/meminfo", "MemAvailable")
 
 
+def _hugetlb_pool_free_bytes(page_bytes: int) -> int | None:
+    """Bytes of the kernel's pool of ``page_bytes`` huge pages that are free
+    and not promised to a mapping already; None if unreadable."""
+    pool = Path(f"/sys/kernel/mm/hugepages/hugepages-{page_bytes >> 10}kB")
+    try:
+        free = int((pool / "free_hugepages").read_text())
+        reserved = int((pool / "resv_hugepages").read_text())
+    except (OSError, ValueError):
+        return None
+    return max(free - reserved, 0) * page_bytes
+
+
+def _check_tmpfs_room(directory: Path, st: os.statvfs_result, size_bytes: int) -> None:
+    free = st.f_bavail * st.f_frsize
+    if size_bytes > free:
+        raise ArenaError(
+            f"arena of {size_bytes / 2**30:.2f} GiB does not fit in {directory}: "
+            f"{free / 2**30:.2f} GiB free; lower dram_bytes or grow the tmpfs"
+        )
+    available = _mem_available_bytes()
+    if available is not None and size_bytes > available:
+        raise ArenaError(
+            f"arena of {size_bytes / 2**30:.2f} GiB exceeds the machine's available "
+            f"memory ({available / 2**30:.2f} GiB); lower dram_bytes"
+        )
+
+
+def _check_hugetlbfs_room(directory: Path, st: os.statvfs_result, size_bytes: int) -> None:
+    """A hugetlbfs arena takes whole huge pages from the kernel's pool, which
+    MemAvailable does not count. A mount without ``size=`` (the usual
+    /dev/hugepages) reports no blocks at all: then the pool is the limit."""
+    huge = st.f_bsize
+    if size_bytes % huge:
+        raise ArenaError(
+            f"arena size {size_bytes} is not a multiple of {directory}'s huge page "
+            f"({huge} bytes); round dram_bytes to it"
+        )
+    pool = _hugetlb_pool_free_bytes(huge)
+    free = st.f_bavail * st.f_frsize if st.f_blocks else pool
+    if pool is not None and free is not None:
+        free = min(free, pool)
+    if free is not None and size_bytes > free:
+        raise ArenaError(
+            f"arena of {size_bytes / 2**30:.2f} GiB does not fit in {directory}: "
+            f"{free / 2**30:.2f} GiB of free {huge >> 20} MiB huge pages; reserve more "
+            f"(sysctl vm.nr_hugepages) or lower dram_bytes"
+        )
+
+
 _ARENA_NAME = re.compile(r"^tierstore-(?:[A-Za-z0-9_]+-)?(\d+)-[0-9a-f]{8}$")
 
 
@@ -369,26 +418,11 @@ class Arena:
             st = os.statvfs(directory)
         except OSError as e:
             raise ArenaError(f"cannot stat arena directory {directory}: {e}") from e
-        free = st.f_bavail * st.f_frsize
-        if size_bytes > free:
-            raise ArenaError(
-                f"arena of {size_bytes / 2**30:.2f} GiB does not fit in {directory}: "
-                f"{free / 2**30:.2f} GiB free; lower dram_bytes or grow the tmpfs"
-            )
-        available = _mem_available_bytes()
-        if available is not None and size_bytes > available:
-            raise ArenaError(
-                f"arena of {size_bytes / 2**30:.2f} GiB exceeds the machine's available "
-                f"memory ({available / 2**30:.2f} GiB); lower dram_bytes"
-            )
         fstype, _ = _mount_of(directory)
         if fstype == "hugetlbfs":
-            huge = os.statvfs(directory).f_bsize
-            if size_bytes % huge:
-                raise ArenaError(
-                    f"arena size {size_bytes} is not a multiple of {directory}'s huge page "
-                    f"({huge} bytes); round dram_bytes to it"
-                )
+            _check_hugetlbfs_room(directory, st, size_bytes)
+        else:
+            _check_tmpfs_room(directory, st, size_bytes)
         remove_stale_arenas(directory)
         name = f"tierstore-{tag + '-' if tag else ''}{os.getpid()}-{secrets.token_hex(4)}"
         path = directory / name

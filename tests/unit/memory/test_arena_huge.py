@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tierstore.errors import ArenaError
 from tierstore.memory.arena import UNIT_BYTES, Arena
 
 ARENA = 32 << 20
@@ -69,3 +70,60 @@ def test_an_arena_on_a_huge_tmpfs_is_mapped_with_huge_pages_as_it_is_populated(
         plain.close()
         arena.close()
     assert arena.huge_bytes() == 0  # closed: nothing of it is mapped
+
+
+HUGE_PAGE = 2 << 20
+POOL = Path(f"/sys/kernel/mm/hugepages/hugepages-{HUGE_PAGE >> 10}kB")
+
+
+@pytest.fixture
+def hugetlbfs() -> Iterator[Path]:
+    """A hugetlbfs mount without ``size=`` (as systemd mounts /dev/hugepages:
+    statvfs reports no blocks), over 16 more 2 MiB pages in the kernel's pool."""
+    nr = POOL / "nr_hugepages"
+    before = int(nr.read_text())
+    nr.write_text(str(before + 16))
+    directory = Path(tempfile.mkdtemp(prefix="tierstore-hugetlb-"))
+    try:
+        assert int(nr.read_text()) == before + 16, "the kernel did not give 16 more huge pages"
+        subprocess.run(
+            ["mount", "-t", "hugetlbfs", "-o", "pagesize=2M", "none", str(directory)],
+            check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+        try:
+            assert os.statvfs(directory).f_blocks == 0  # what the arena must not read as full
+            yield directory
+        finally:
+            subprocess.run(["umount", str(directory)], check=True, timeout=30)
+    finally:
+        directory.rmdir()
+        nr.write_text(str(before))
+
+
+def _pool_free() -> int:
+    return int((POOL / "free_hugepages").read_text()) - int((POOL / "resv_hugepages").read_text())
+
+
+@needs_root
+def test_an_arena_on_hugetlbfs_without_a_size_limit_takes_the_pool(hugetlbfs: Path) -> None:
+    size = 8 * HUGE_PAGE
+    assert _pool_free() >= 8
+    arena = Arena.create(size, hugetlbfs, upfront=False)
+    try:
+        assert arena.page_kind == "hugetlbfs" and arena.page_bytes == HUGE_PAGE
+        assert arena.populate()
+        arena.array[:] = 0xA5
+        assert int(arena.array[::4096].min()) == 0xA5
+        assert arena.huge_bytes() == size
+    finally:
+        arena.close()
+
+
+@needs_root
+def test_an_arena_larger_than_the_free_pool_is_refused_by_name(hugetlbfs: Path) -> None:
+    too_big = (_pool_free() + 1) * HUGE_PAGE
+    with pytest.raises(
+        ArenaError, match=r"free 2 MiB huge pages; reserve more \(sysctl vm.nr_hugepages\)"
+    ):
+        Arena.create(too_big, hugetlbfs, upfront=False)
+    assert list(hugetlbfs.iterdir()) == []  # refused before any file was made
