@@ -2,6 +2,7 @@
 load and backup of old blocks meets on this machine.
 
     python -m bench.tiers.memage [--json] [--mib 256] [--ages 0,30,60,120,240]
+                                 [--huge-dir DIR]
 
 On this machine (a Firecracker VM) memory nobody touched for a while is
 copied two to three times slower the first time than right after, with no page
@@ -23,6 +24,9 @@ for that many seconds and then copied once:
 - ``*_locked``: the same on a sidecar's arena (``Arena.create``) locked in
   memory as the sidecar locks it (``dram_lock``, mlock2 MLOCK_ONFAULT):
   whether locking keeps idle memory ready on this machine;
+- ``*_huge``: with ``--huge-dir``, the same on a file of that mount (a
+  hugetlbfs or ``huge=always`` tmpfs, as ``shm_dir`` may put the arena):
+  whether memory mapped with huge pages stays ready;
 - ``*_again``: the same copy repeated right after (the hot figure).
 
 ``kept_warm``: a buffer of the longest age of which one byte a page was
@@ -52,7 +56,7 @@ KINDS = ("anon", "shm", "locked")
 _ARENAS: list[Arena] = []  # kept open (and locked) while the bench runs
 
 
-def _buffer(kind: str, nbytes: int) -> np.ndarray:
+def _buffer(kind: str, nbytes: int, huge_dir: str = "") -> np.ndarray:
     if kind == "locked":
         arena = Arena.create(nbytes, upfront=False)
         why = arena.lock()
@@ -62,7 +66,10 @@ def _buffer(kind: str, nbytes: int) -> np.ndarray:
         arr = arena.array
         arr[:] = 0x5A
         return arr
-    buf = mmap.mmap(-1, nbytes) if kind == "anon" else shm_buffer(nbytes)
+    if kind == "anon":
+        buf = mmap.mmap(-1, nbytes)
+    else:
+        buf = shm_buffer(nbytes, huge_dir) if kind == "huge" else shm_buffer(nbytes)
     arr = np.frombuffer(buf, dtype=np.uint8)
     arr[:] = 0x5A  # written: every page is present in the guest
     return arr
@@ -80,15 +87,21 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--ages", default="0,30,60,120,240")
     parser.add_argument("--touch-s", type=float, default=10.0)
+    parser.add_argument(
+        "--huge-dir",
+        default="",
+        help="also measure a file on this mount (hugetlbfs, or a tmpfs mounted huge=always)",
+    )
     args = parser.parse_args()
+    kinds = (*KINDS, "huge") if args.huge_dir else KINDS
     nbytes = args.mib << 20
     ages = sorted(int(a) for a in args.ages.split(","))
     hot = np.ones(nbytes, dtype=np.uint8)
     idle = {
-        (age, op, kind): _buffer(kind, nbytes)
+        (age, op, kind): _buffer(kind, nbytes, args.huge_dir)
         for age in ages
         for op in ("read", "write")
-        for kind in KINDS
+        for kind in kinds
     }
     warm = _buffer("shm", nbytes)
     start = time.monotonic()
@@ -110,7 +123,7 @@ def main() -> None:
                 "read_gbps": round(_copy_gbps(hot, warm), 2),
                 "read_again_gbps": round(_copy_gbps(hot, warm), 2),
             }
-        for kind in KINDS:
+        for kind in kinds:
             src = idle[(age, "read", kind)]
             hot[:] = 1  # the destination touched just before
             row[f"read_{kind}_gbps"] = round(_copy_gbps(hot, src), 2)
@@ -131,9 +144,14 @@ def main() -> None:
             "oldest_write_shm_vs_hot": round(
                 oldest["write_shm_gbps"] / oldest["write_shm_again_gbps"], 3
             ),
-            "oldest_read_locked_vs_hot": round(
-                oldest["read_locked_gbps"] / oldest["read_locked_again_gbps"], 3
-            ),
+            **{
+                f"oldest_read_{kind}_vs_hot": round(
+                    oldest[f"read_{kind}_gbps"] / oldest[f"read_{kind}_again_gbps"], 3
+                )
+                for kind in kinds
+                if kind in ("locked", "huge")
+            },
+            "huge_dir": args.huge_dir or None,
         },
         args.json,
     )
