@@ -5,10 +5,11 @@ load and backup of old blocks meets on this machine.
                                  [--huge-dir DIR]
 
 On this machine (a Firecracker VM) memory nobody touched for a while is
-copied two to three times slower the first time than right after, with no page
-fault in the guest (which runs DAMON with a pageout scheme for memory idle
-60 s, and has no swap; whether that or the host makes the first touch slow
-is not measured apart). A store's blocks are such memory: a prefix stored
+copied up to two or three times slower the first time than right after,
+by how much changing from hour to hour, with no page fault in the guest.
+The guest runs DAMON with a pageout scheme for memory idle 60 s, but its
+filters exempt anonymous memory, which slows as much: the slow first touch
+comes from below the guest. A store's blocks are such memory: a prefix stored
 minutes before its returning turn sits idle in the arena until the load,
 and so do pages of a pool allocated at start. A ``memcpy`` between two
 buffers touched just before (``common.memcpy_gbps``) never pays this, so it
