@@ -259,7 +259,7 @@ def lmcache_mode(
     with lmcache_server(tmp / "lmcache", l1_size_gb=size_gb) as server:
         env = dict(server.env, PYTHONPATH=str(REPO))
         transfer = lmcache_transfer_config(server)
-        run = {"python": python, "env": env}
+        run: dict[str, Any] = {"python": python, "env": env}
         cold = run_mode(model, transfer, work, tmp / "lm-cold.log", spec, **run)
         warm = run_mode(model, transfer, work, tmp / "lm-warm.log", spec, again=True, **run)
     return {"lmcache_cold": cold, "lmcache_warm": warm}

