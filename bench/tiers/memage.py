@@ -70,7 +70,7 @@ def _buffer(kind: str, nbytes: int, huge_dir: str = "") -> np.ndarray:
     if kind == "anon":
         buf = mmap.mmap(-1, nbytes)
     else:
-        buf = shm_buffer(nbytes, huge_dir) if kind == "huge" else shm_buffer(nbytes)
+        buf = shm_buffer(nbytes, huge_dir if kind == "huge" else "/dev/shm")
     arr = np.frombuffer(buf, dtype=np.uint8)
     arr[:] = 0x5A  # written: every page is present in the guest
     return arr

@@ -181,10 +181,11 @@ def _check_hugetlbfs_room(directory: Path, st: os.statvfs_result, size_bytes: in
             f"arena size {size_bytes} is not a multiple of {directory}'s huge page "
             f"({huge} bytes); round dram_bytes to it"
         )
+    limits = [st.f_bavail * st.f_frsize] if st.f_blocks else []
     pool = _hugetlb_pool_free_bytes(huge)
-    free = st.f_bavail * st.f_frsize if st.f_blocks else pool
-    if pool is not None and free is not None:
-        free = min(free, pool)
+    if pool is not None:
+        limits.append(pool)
+    free = min(limits, default=None)
     if free is not None and size_bytes > free:
         raise ArenaError(
             f"arena of {size_bytes / 2**30:.2f} GiB does not fit in {directory}: "
