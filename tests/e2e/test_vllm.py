@@ -24,8 +24,9 @@ keys it looks up.
 The wide-KV Llama (``WIDE_KV``: an 8B model's 96 KiB of KV a token), three
 more engines on their own sidecars WA and WB, one ~2,000-token prompt:
 ``wide_cold`` (no connector), ``wide_a`` on WA (computes it, saving, then
-from WA's DRAM once vLLM's own cache is reset) and ``wide_peer`` on WB
-(pulls it from WA). A warm engine computes the prompt's last 91 tokens over
+from WA's DRAM once vLLM's own cache is reset; its log stats on, so that
+the connector's timing of the load reaches vLLM's metrics) and
+``wide_peer`` on WB (pulls it from WA). A warm engine computes the prompt's last 91 tokens over
 1,920 loaded ones, so its reference is ``wide_cold``'s engine asking the
 prompt again over its own cached 1,920 (``wide_reuse``): on CPUs with AMX,
 vLLM's bf16 kernels sum a 2,011-token prefill and a 91-token one over a
@@ -59,6 +60,7 @@ from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import (
     WIDE_KV,
+    Histo,
     Output,
     VllmEngine,
     kv_transfer_config,
@@ -73,6 +75,7 @@ BLOCK_BYTES = 4 * 2 * 2 * 64 * BLOCK * 2  # 4 layers, K+V, 2 heads, dim 64, bf16
 WIDE_BLOCK_BYTES = 24 * 2 * 8 * 128 * BLOCK * 2  # WIDE_KV: 12 MiB
 NEW_TOKENS = 32  # compared greedy tokens per prompt
 DRAM = 32 << 20
+LOAD_SECONDS = "vllm:tierstore_load_seconds"  # the connector's timing of each load
 DEATH_DEADLINE_S = 60.0  # a batch whose sidecar died: recomputed within this
 MIN_FREE_GIB = 5
 SC_FLAGS = (
@@ -426,16 +429,21 @@ def wide_a(
 ) -> dict[str, Any]:
     """On WA: P_W computed (saved), vLLM's own cache reset, P_W again (WA's DRAM)."""
     wa = wide_sidecars[0]
-    with _engine(wide_model, logs, "wide-a", wa.socket, llm_kwargs=WIDE_LLM) as eng:
+    stats_on = {**WIDE_LLM, "disable_log_stats": False}  # the connector's metrics reach vLLM's
+    with _engine(wide_model, logs, "wide-a", wa.socket, llm_kwargs=stats_on) as eng:
+        timed = [eng.histograms("vllm:tierstore_").get(LOAD_SECONDS)]
         (saving,), saving_s = _generate(eng, [P_W])
+        timed.append(eng.histograms("vllm:tierstore_").get(LOAD_SECONDS))
         assert eng.reset_prefix_cache()
         with StoreClient(str(wa.socket)) as c:
             hits_before = _tier(c, "dram").hits
         (warm,), warm_s = _generate(eng, [P_W])
+        timed.append(eng.histograms("vllm:tierstore_").get(LOAD_SECONDS))
         with StoreClient(str(wa.socket)) as c:
             dram_hits = _tier(c, "dram").hits - hits_before
-    print(f"wide KV on WA: saving {saving_s:.2f} s, warm from DRAM {warm_s:.2f} s")
-    return {"saving": saving, "warm": warm, "dram_hits": dram_hits}
+    print(f"wide KV on WA: saving {saving_s:.2f} s, warm from DRAM {warm_s:.2f} s; {timed}")
+    return {"saving": saving, "warm": warm, "dram_hits": dram_hits, "timed": timed,
+            "warm_s": warm_s}  # fmt: skip
 
 
 def test_wide_kv_saving_does_not_change_outputs(wide_a: dict[str, Any], wide_cold: Output) -> None:
@@ -447,6 +455,15 @@ def test_wide_kv_resumes_warm_from_dram(wide_a: dict[str, Any], wide_reuse: Outp
     assert wide_a["warm"].num_cached_tokens == _reusable(P_W) == 1920
     assert wide_a["dram_hits"] >= 15  # its 15 blocks (12 MiB each) came from WA's DRAM
     assert wide_a["warm"].token_ids == wide_reuse.token_ids
+
+
+def test_the_connectors_load_timing_reaches_vllms_metrics(wide_a: dict[str, Any]) -> None:
+    """The driver's ``histograms`` (what bench/engines/vllm_load.py reads as
+    the load's own time): no load while saving, one timed load when warm."""
+    start, saved, warm = (h or Histo(0, 0.0) for h in wide_a["timed"])
+    assert saved.count == start.count  # the cold ask computed: nothing loaded, nothing timed
+    assert warm.count == saved.count + 1
+    assert 0.0 < warm.sum - saved.sum < wide_a["warm_s"]  # the load is part of its ask
 
 
 def test_wide_kv_resumes_warm_from_a_peer(

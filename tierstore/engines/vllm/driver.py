@@ -13,7 +13,10 @@ Provides:
   model, an optional connector and more ``LLM`` arguments, and sends it
   requests: ``generate`` (greedy; token ids, ``num_cached_tokens`` and the
   call's time per prompt), ``reset_prefix_cache`` (vLLM's own cache of this
-  engine; not the store) and ``close``. ``python``: another interpreter for
+  engine; not the store), ``histograms`` (the count and sum of vLLM's
+  Prometheus histograms by name, e.g. the connector's
+  ``vllm:tierstore_load_seconds``; needs ``disable_log_stats=False`` in the
+  ``LLM`` arguments) and ``close``. ``python``: another interpreter for
   the child (a virtualenv with vLLM and another connector; the child
   imports nothing of tierstore beyond this module, so ``PYTHONPATH`` to the
   repository is enough). Every wait has a deadline; an engine that dies or
@@ -51,6 +54,14 @@ class EngineError(RuntimeError):
 class Output:
     token_ids: list[int]
     num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Histo:
+    """A histogram's observations so far: how many, and their sum."""
+
+    count: int
+    sum: float
 
 
 def tiny_llama(
@@ -281,6 +292,13 @@ class VllmEngine:
         (it does while requests hold blocks)."""
         return bool(self._command({"op": "reset_prefix_cache"}, timeout_s)["reset"])
 
+    def histograms(self, prefix: str = "vllm:", timeout_s: float = 60.0) -> dict[str, Histo]:
+        """vLLM's histograms whose name starts with ``prefix``, each summed
+        over its labels (an engine started without ``disable_log_stats=False``
+        has none)."""
+        reply = self._command({"op": "histograms", "prefix": prefix}, timeout_s)
+        return {name: Histo(int(c), float(s)) for name, (c, s) in reply["histograms"].items()}
+
     def _command(self, cmd: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         assert self.proc.stdin is not None
         try:
@@ -354,6 +372,9 @@ def _child(argv: list[str]) -> None:
         if cmd["op"] == "reset_prefix_cache":
             _send({"reset": bool(llm.reset_prefix_cache())})
             continue
+        if cmd["op"] == "histograms":
+            _send({"histograms": _histograms(llm, cmd["prefix"])})
+            continue
         params = SamplingParams(
             max_tokens=cmd["max_tokens"],
             temperature=0.0,
@@ -379,6 +400,17 @@ def _child(argv: list[str]) -> None:
                 ],
             }
         )
+
+
+def _histograms(llm: Any, prefix: str) -> dict[str, tuple[int, float]]:
+    from vllm.v1.metrics.reader import Histogram
+
+    out: dict[str, tuple[int, float]] = {}
+    for m in llm.get_metrics():
+        if isinstance(m, Histogram) and m.name.startswith(prefix):
+            count, total = out.get(m.name, (0, 0.0))
+            out[m.name] = (count + m.count, total + m.sum)
+    return out
 
 
 if __name__ == "__main__":
