@@ -58,7 +58,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# Modules that share something outside their own processes and must not run at the same
+# time on two workers (``-n 2 --dist loadgroup``): both demos check that they left no
+# tierstore-demo-* directory in the temporary directory.
+SHARED_GROUPS = {"tests/e2e/test_demo.py": "demos", "tests/e2e/test_vllm_demo.py": "demos"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.pluginmanager.hasplugin("xdist"):
+        # One worker runs a module whole: its module fixtures (engines, sidecars) start once.
+        for item in items:
+            module = item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
     try:
         import torch
 

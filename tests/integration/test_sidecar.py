@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -437,12 +438,15 @@ def test_metrics_and_health(tmp_path) -> None:
         proc.stop()
 
 
-def test_serve_runs_with_no_config(tmp_path) -> None:
+def test_serve_runs_with_no_config() -> None:
     """Embedded defaults: socket and NVMe directory under the user's dirs."""
-    import os
-    import signal
-    import time
+    # A short directory: pytest's own (more so a worker's under xdist) can make the
+    # default socket path longer than a Unix socket allows, which serve refuses by name.
+    with tempfile.TemporaryDirectory(prefix="ts-noconf-") as tmp:
+        _serve_with_no_config(Path(tmp))
 
+
+def _serve_with_no_config(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
     env.update(
         XDG_CACHE_HOME=str(tmp_path / "cache"),

@@ -30,12 +30,19 @@ def test_on_a_gpu():
 """
 
 
-def _run(tmp_path: Path, extra: str) -> subprocess.CompletedProcess[str]:
+# One process, and CI's two workers (.ci/run): xdist hands the workers' reports to the
+# process that decides the exit status.
+WORKERS = pytest.mark.parametrize("workers", [(), ("-n", "2", "--dist", "loadgroup")],
+                                  ids=["serial", "two-workers"])  # fmt: skip
+
+
+def _run(tmp_path: Path, extra: str, workers: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    cuda: needs a GPU\n")
     (tmp_path / "test_sample.py").write_text(TESTS + extra)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-skips", "-rs"]
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-skips", "-rs"],
+        [*argv, *workers],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -47,8 +54,9 @@ def _run(tmp_path: Path, extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_cuda_skip_alone_passes(tmp_path: Path) -> None:
-    run = _run(tmp_path, "")
+@WORKERS
+def test_cuda_skip_alone_passes(tmp_path: Path, workers: tuple[str, ...]) -> None:
+    run = _run(tmp_path, "", workers)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "skips that fail this run" not in run.stdout
 
@@ -61,7 +69,8 @@ def test_cuda_skip_alone_passes(tmp_path: Path) -> None:
     ],
     ids=["in-test", "module-level"],
 )
-def test_other_skip_fails_the_run(tmp_path: Path, extra: str) -> None:
-    run = _run(tmp_path, extra)
+@WORKERS
+def test_other_skip_fails_the_run(tmp_path: Path, extra: str, workers: tuple[str, ...]) -> None:
+    run = _run(tmp_path, extra, workers)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "skips that fail this run" in run.stdout
