@@ -60,6 +60,9 @@ COMMON = (
     "shutdown_grace_s=0.5",
 )
 REPLICA_BUDGET_BLOCKS = 64
+# A wait bounded by a deadline ends within this past it (CI runs two test modules at once on
+# two cores); each stall the tests set up would hold it far longer.
+SLACK_S = 1.5
 HBM_BLOCKS = 32  # the engine's device pool in the residency test
 PLAINTEXT_WARNING = "listens beyond loopback without TLS"
 
@@ -834,8 +837,8 @@ def test_peer_that_accepts_and_never_answers(tmp_path: Path) -> None:
             after = counters(client)
             assert_b_still_serves(client)
         assert mute.held, "the sidecar never connected to the listener"
-        assert lookup_s < 0.5 + 0.5, lookup_s  # peer_lookup_timeout_s 0.5
-        assert load_s < deadline_s + 0.5, load_s
+        assert lookup_s < 0.5 + SLACK_S, lookup_s  # peer_lookup_timeout_s 0.5
+        assert load_s < deadline_s + SLACK_S, load_s
         lost = sum(after[k] - before[k] for k in ("peer_lookup_timeouts", "peer_lookup_errors"))
         assert lost >= 2, (before, after)
     finally:
@@ -851,7 +854,7 @@ def test_load_deadline_bounds_the_whole_load(fake_group: FakeGroup, fake: FakePe
         t0 = time.monotonic()
         assert b.load(L, keys, include_peers=True, deadline_s=deadline_s).num_blocks == 0
         took = time.monotonic() - t0
-    assert took < deadline_s + 0.3, f"load with deadline_s={deadline_s} took {took:.2f}s"
+    assert took < deadline_s + SLACK_S, f"load with deadline_s={deadline_s} took {took:.2f}s"
 
 
 def test_stalled_data_channel_keeps_what_verified(fake_group: FakeGroup, fake: FakePeer) -> None:
@@ -864,7 +867,7 @@ def test_stalled_data_channel_keeps_what_verified(fake_group: FakeGroup, fake: F
         t0 = time.monotonic()
         res = b.load(L, keys, include_peers=True, deadline_s=deadline_s)
         took = time.monotonic() - t0
-        assert took < deadline_s + 0.5, took
+        assert took < deadline_s + SLACK_S, took
         assert res.num_blocks == 3 and torch.equal(res.blocks[:3], data[:3])
         assert dram_stat(b) == (used + 3 * BLOCK, num + 3)
         assert cli_pins(fake_group.b) == [0]
@@ -884,14 +887,14 @@ def test_stalled_data_channel_keeps_what_verified(fake_group: FakeGroup, fake: F
 def test_dripping_data_channel_ends_at_the_deadline(fake_group: FakeGroup, fake: FakePeer) -> None:
     keys, data = give_fake(fake, 4)
     fake.configure("drip", bad_index=1)
-    fake.drip_bytes, fake.drip_interval_s = 512, 0.2  # one block takes 3.2 s
+    fake.drip_bytes, fake.drip_interval_s = 512, 0.2  # one block takes 3.2 s: > 1.0 + SLACK_S
     with StoreClient(str(fake_group.b.socket)) as b:
         before = counters(b)
         deadline_s = 1.0
         t0 = time.monotonic()
         res = b.load(L, keys, include_peers=True, deadline_s=deadline_s)
         took = time.monotonic() - t0
-        assert took < deadline_s + 0.5, f"load with deadline_s={deadline_s} took {took:.2f}s"
+        assert took < deadline_s + SLACK_S, f"load with deadline_s={deadline_s} took {took:.2f}s"
         assert res.num_blocks <= 1 and torch.equal(res.blocks[:1], data[:1])
         timeouts = counters(b)["peer_fetch_timeouts"] - before["peer_fetch_timeouts"]
         assert timeouts == 1
@@ -913,4 +916,4 @@ def test_slow_push_target_does_not_hold_back_other_pushes(
         reply = b.end_turn(quick, L, keys, 64, wait=True)
         took = time.monotonic() - t0
     assert reply.replica_target == fake_group.quiet.address
-    assert took < 1.0, f"a push to a healthy host waited {took:.2f}s behind a slow one"
+    assert took < 2.0, f"a push to a healthy host waited {took:.2f}s behind a slow one (3 s)"

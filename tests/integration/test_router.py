@@ -201,7 +201,10 @@ def test_a_host_that_stops_answering_is_skipped_within_the_deadline(fleet: Fleet
     tokens = prompt(4)
     keys = chain_keys(L, tokens)
     store(fleet.clients[1], keys)
-    router = Router(fleet.config(router_lookup_timeout_s=0.5), PEER_CFG)
+    # A deadline the live hosts meet with the machine busy (CI runs two test modules at
+    # once): 0.5 s was missed by a live host once, which then ranked with the stalled one.
+    deadline_s = 2.0
+    router = Router(fleet.config(router_lookup_timeout_s=deadline_s), PEER_CFG)
     assert router.route(L, keys, len(tokens)).ranked[0].host == fleet.hosts[1]  # connected
     stalled = fleet.cars[1].proc
     stalled.send_signal(signal.SIGSTOP)
@@ -209,11 +212,11 @@ def test_a_host_that_stops_answering_is_skipped_within_the_deadline(fleet: Fleet
         t0 = time.monotonic()
         p = router.route(L, keys, len(tokens))
         took = time.monotonic() - t0
-        assert took < 0.5 + 2.0, f"route took {took:.2f}s with a 0.5 s deadline"
-        down = p.ranked[-1]
-        assert down.host == fleet.hosts[1] and not down.reachable
-        assert "DEADLINE_EXCEEDED" in down.error
+        assert took < deadline_s + 2.0, f"route took {took:.2f}s with a {deadline_s} s deadline"
+        (down,) = [c for c in p.ranked if c.host == fleet.hosts[1]]
+        assert not down.reachable and "DEADLINE_EXCEEDED" in down.error
         assert p.best is not None and p.best.host != fleet.hosts[1]
+        assert all(c.reachable for c in p.ranked[: p.ranked.index(down)])  # after the live ones
     finally:
         stalled.send_signal(signal.SIGCONT)
         router.close()
