@@ -26,13 +26,14 @@ more engines on their own sidecars WA and WB, one ~2,000-token prompt:
 ``wide_cold`` (no connector), ``wide_a`` on WA (computes it, saving, then
 from WA's DRAM once vLLM's own cache is reset; its log stats on, so that
 the connector's timing of the load reaches vLLM's metrics) and
-``wide_peer`` on WB (pulls it from WA). A warm engine computes the prompt's last 91 tokens over
-1,920 loaded ones, so its reference is ``wide_cold``'s engine asking the
-prompt again over its own cached 1,920 (``wide_reuse``): on CPUs with AMX,
-vLLM's bf16 kernels sum a 2,011-token prefill and a 91-token one over a
-cached prefix in other orders, and greedy ids then part within 32 tokens
-with no store involved (measured: at the 8th token on a Sapphire Rapids
-VM); the same work over the same KV is exact on every CPU.
+``wide_peer`` on WB (pulls it from WA). A warm engine computes the
+prompt's last 91 tokens over 1,920 loaded ones, so its reference is
+``wide_cold``'s engine asking the prompt again over its own cached 1,920
+(``wide_reuse``): on CPUs with AMX, vLLM's bf16 kernels sum a 2,011-token
+prefill and a 91-token one over a cached prefix in other orders, and
+greedy ids then part within 32 tokens with no store involved (measured: at
+the 8th token on a Sapphire Rapids VM); the same work over the same KV is
+exact on every CPU.
 
 A fresh engine (or one whose prefix cache was reset) has an empty prefix
 cache, so every cached token it reports (``num_cached_tokens``) came from

@@ -22,7 +22,8 @@ reference). The cold full prefill's agreement with the reference is
 reported, not required.
 Three engine starts dominate its run time; each engine runs vLLM's worker
 inside the engine's process (``in_process``, as a one-GPU engine can),
-which starts in about 10 s here instead of 20-40 s. The HF demo stays the default.
+which starts in about 10 s here instead of 20-40 s. The HF demo stays the
+default.
 
 Runs in the foreground; the sidecars and engines are child processes,
 stopped (and their files removed) at the end, on error and on Ctrl-C.
