@@ -277,7 +277,8 @@ def test_poll_does_not_wait_for_a_copy_in_progress() -> None:
     go_on.set()
     assert poll_until(ld) == ({"a"}, set())
     ld.close()
-    assert waited_s < 0.5, f"poll waited {waited_s:.2f}s for the copy"
+    # A poll that waited for the copy would wait 10 s; 2 s leaves room for a busy machine.
+    assert waited_s < 2.0, f"poll waited {waited_s:.2f}s for the copy"
 
 
 def test_a_gap_or_a_dead_sidecar_reports_the_missing_blocks() -> None:
@@ -407,7 +408,7 @@ def test_the_asks_of_one_step_share_one_budget() -> None:
     for i in range(40):  # queued behind the first on the one lookup thread
         assert calls.ask(i, lambda: int(gate.wait(5))) is None
     step_s = time.monotonic() - t0
-    assert step_s < 0.5, f"40 asks of one step waited {step_s:.2f}s (40 x 0.05 = 2 s)"
+    assert step_s < 1.0, f"40 asks of one step waited {step_s:.2f}s (40 x 0.05 = 2 s)"
     calls.new_step()
     t1 = time.monotonic()
     assert calls.ask(0, lambda: 0) is None  # the next step waits its own budget again
