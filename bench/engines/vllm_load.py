@@ -118,22 +118,22 @@ class Case:
     counters: dict[str, int] = field(default_factory=dict)
 
     def figures(self, kv_bytes: int) -> dict[str, Any]:
-        load = statistics.median(self.load_s)
-        gbps = kv_bytes / load / GB if load > 0 else 0.0
-        inner = statistics.median(self.connector_load_s)
-        inner_gbps = kv_bytes / inner / GB if inner > 0 else 0.0
+        def rate(seconds: float) -> tuple[float, float | None]:
+            gbps = kv_bytes / seconds / GB if seconds > 0 else 0.0
+            return gbps, round(gbps / self.limit_gbps, 3) if self.limit_gbps else None
+
+        load, inner = statistics.median(self.load_s), statistics.median(self.connector_load_s)
+        (gbps, vs_limit), (_, inner_vs_limit) = rate(load), rate(inner)
         return {
             "load_s": round(load, 4),
             "load_pairs_s": [round(x, 4) for x in self.load_s],
             "kv_gbps": round(gbps, 3),
             "limit": self.limit,
             "limit_gbps": round(self.limit_gbps, 3),
-            "vs_limit": round(gbps / self.limit_gbps, 3) if self.limit_gbps else None,
+            "vs_limit": vs_limit,
             "connector_load_s": round(inner, 4),
             "connector_loads_s": [round(x, 4) for x in self.connector_load_s],
-            "connector_vs_limit": (
-                round(inner_gbps / self.limit_gbps, 3) if self.limit_gbps else None
-            ),
+            "connector_vs_limit": inner_vs_limit,
             "loaded_all": self.loaded_all,
             "first_tokens_equal": self.first_tokens_equal,
             "counters": self.counters,
@@ -202,18 +202,20 @@ def wait_demoter_quiet(sidecar: Path) -> float:
 
 
 def _asks(eng: VllmEngine, work: list[list[int]], reused: int, case: Case) -> None:
+    before = _connector_loads(eng)
     for p in work:
-        before = _connector_loads(eng)
         (first,), loading = eng.generate([p], 1)
         after = _connector_loads(eng)
         (second,), own = eng.generate([p], 1)
-        if after.count - before.count != 1 or _connector_loads(eng).count != after.count:
+        end = _connector_loads(eng)  # the next prompt's ``before``
+        if after.count - before.count != 1 or end.count != after.count:
             raise RuntimeError(
                 f"the connector timed {after.count - before.count} loads for the loading ask "
                 "and must time exactly one, and none for the second ask"
             )
         case.load_s.append(loading - own)
         case.connector_load_s.append(after.sum - before.sum)
+        before = end
         case.loaded_all &= first.num_cached_tokens >= reused
         case.first_tokens_equal &= first.token_ids[0] == second.token_ids[0]
 
@@ -330,16 +332,15 @@ def main(argv: list[str] | None = None) -> None:
             with VllmEngine(model, ours, log_path=tmp / "a.log", **kwargs) as eng:
                 for p in work:  # cold: computed, every full block saved to A
                     eng.generate([p], 1)
-                ratios = []
+                ratios, inner_ratios = [], []
                 for r in range(args.runs):
                     case = load_case(eng, work, reused, sock_a, args.rounds)
                     case.limit_gbps, case.limit = memcpy_limit(kv_bytes, num_blocks, threads)
                     cases[f"dram_run{r + 1}"] = fig = case.figures(kv_bytes)
                     ratios.append(fig["vs_limit"])
+                    inner_ratios.append(fig["connector_vs_limit"])
                 result["wide_kv_vs_memcpy_runs"] = ratios
-                result["connector_load_vs_memcpy_runs"] = [
-                    cases[f"dram_run{r + 1}"]["connector_vs_limit"] for r in range(args.runs)
-                ]
+                result["connector_load_vs_memcpy_runs"] = inner_ratios
                 for name, f in (("min", min), ("median", statistics.median), ("max", max)):
                     result[f"wide_kv_vs_memcpy_{name}"] = f(ratios)
                 time.sleep(args.idle_s)

@@ -432,19 +432,23 @@ def wide_a(
     wa = wide_sidecars[0]
     stats_on = {**WIDE_LLM, "disable_log_stats": False}  # the connector's metrics reach vLLM's
     with _engine(wide_model, logs, "wide-a", wa.socket, llm_kwargs=stats_on) as eng:
-        timed = [eng.histograms("vllm:tierstore_").get(LOAD_SECONDS)]
+        timed = [_load_timing(eng)]
         (saving,), saving_s = _generate(eng, [P_W])
-        timed.append(eng.histograms("vllm:tierstore_").get(LOAD_SECONDS))
+        timed.append(_load_timing(eng))
         assert eng.reset_prefix_cache()
         with StoreClient(str(wa.socket)) as c:
             hits_before = _tier(c, "dram").hits
         (warm,), warm_s = _generate(eng, [P_W])
-        timed.append(eng.histograms("vllm:tierstore_").get(LOAD_SECONDS))
+        timed.append(_load_timing(eng))
         with StoreClient(str(wa.socket)) as c:
             dram_hits = _tier(c, "dram").hits - hits_before
     print(f"wide KV on WA: saving {saving_s:.2f} s, warm from DRAM {warm_s:.2f} s; {timed}")
     return {"saving": saving, "warm": warm, "dram_hits": dram_hits, "timed": timed,
             "warm_s": warm_s}  # fmt: skip
+
+
+def _load_timing(eng: VllmEngine) -> Histo | None:
+    return eng.histograms(LOAD_SECONDS).get(LOAD_SECONDS)
 
 
 def test_wide_kv_saving_does_not_change_outputs(wide_a: dict[str, Any], wide_cold: Output) -> None:
