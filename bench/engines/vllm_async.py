@@ -42,10 +42,18 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.outputs import RequestOutput
 
     from tierstore.client import StoreClient
     from tierstore.engines.vllm.driver import kv_transfer_config
     from tierstore.keys import KVLayout, chain_keys
+
+    def tokens(ids: list[int]) -> TokensPrompt:
+        # vLLM marks the optional keys typing.NotRequired (Python 3.11+); mypy,
+        # checking as 3.10 (pyproject.toml), cannot resolve it there and takes
+        # every key as required.
+        return TokensPrompt(prompt_token_ids=ids)  # type: ignore[typeddict-item]
 
     transfer = kv_transfer_config(
         args.socket, async_loads=args.mode == "async", stats_path=args.stats_path
@@ -60,13 +68,13 @@ def _child(args: argparse.Namespace) -> None:
     )
     engine = llm.llm_engine
     greedy = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], greedy, use_tqdm=False)  # type: ignore[list-item]
+    llm.generate([tokens([1, 2, 3, 4, 5])], greedy, use_tqdm=False)
     filler = KVLayout("filler", 4, 2, 64, "bfloat16", BLOCK)
     block_bytes = 4 * 2 * 2 * 64 * BLOCK * 2
     reps = []
     for rep in range(args.reps):
         p = _prompt(args.tokens, 1000 * rep + (7 if args.mode == "async" else 3))
-        llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)  # type: ignore[list-item]
+        llm.generate([tokens(p)], greedy, use_tqdm=False)
         llm.reset_prefix_cache()
         with StoreClient(args.socket) as c:  # P's blocks: DRAM -> NVMe
             n = args.dram_bytes * 3 // 2 // block_bytes
@@ -76,19 +84,21 @@ def _child(args: argparse.Namespace) -> None:
             for lo in range(0, n, 16):
                 c.store(filler, keys[lo : lo + 16], bytearray(16 * block_bytes))
         decode = SamplingParams(max_tokens=args.q_tokens, temperature=0.0, detokenize=False)
-        engine.add_request(f"q{rep}", {"prompt_token_ids": _prompt(100, 50 + rep)}, decode)
+        engine.add_request(f"q{rep}", tokens(_prompt(100, 50 + rep)), decode)
         q_times: list[float] = []
         p_added = p_first = 0.0
         while engine.has_unfinished_requests():
             outs = engine.step()
             now = time.perf_counter()
             for o in outs:
+                if not isinstance(o, RequestOutput):  # a generating model: never pooling
+                    raise TypeError(f"expected a RequestOutput, got {type(o).__name__}")
                 if o.request_id.startswith("q") and o.outputs and o.outputs[0].token_ids:
                     q_times.append(now)
                 if o.request_id.startswith("p") and not p_first:
                     p_first = now
             if len(q_times) == 8 and not p_added:  # Q decodes steadily: add P
-                engine.add_request(f"p{rep}", {"prompt_token_ids": p}, greedy)
+                engine.add_request(f"p{rep}", tokens(p), greedy)
                 p_added = time.perf_counter()
         gaps = [b - a for a, b in itertools.pairwise(q_times)]
         during = [b - a for a, b in itertools.pairwise(q_times) if b > p_added and a < p_first]

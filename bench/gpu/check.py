@@ -244,7 +244,8 @@ def satisfies(version: str, spec: str) -> bool:
     try:
         from packaging.specifiers import SpecifierSet
     except ImportError:
-        from pip._vendor.packaging.specifiers import SpecifierSet  # type: ignore[no-redef]
+        # pip's vendored copy: the same API, but to mypy a distinct class
+        from pip._vendor.packaging.specifiers import SpecifierSet  # type: ignore[assignment]
     return SpecifierSet(spec).contains(version, prereleases=True)
 
 
@@ -323,7 +324,7 @@ def run_tests(check: Check, py: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     timeout_s = check.left_s() - BENCH_RESERVE_S
     rc, text = run(cmd, timeout_s, log, cwd=REPO, env=env)
-    tests = parse_junit(xml) if xml.exists() else {"error": "no junit XML written"}
+    tests: dict[str, Any] = parse_junit(xml) if xml.exists() else {"error": "no junit XML written"}
     tests["exit_status"] = rc
     tests["tail"] = text[-3000:]
     check.report["tests"] = tests

@@ -32,6 +32,7 @@ where no GPU is (its numbers are not GPU figures; ``register`` is skipped). Aren
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import shutil
@@ -322,11 +323,11 @@ def ttft(lengths: list[int], tmp: Path) -> dict[str, Any]:
             first_token_s(lambda: on_hbm.prefill(torch.arange(64)))  # CUDA and cuBLAS start-up
             for n in lengths:
                 ids = torch.randint(0, 8192, (n,), generator=torch.Generator().manual_seed(n))
-                cold_s, cold = median(lambda ids=ids: on_hbm.prefill(ids))
+                cold_s, cold = median(functools.partial(on_hbm.prefill, ids))
                 on_hbm.save(ids, cold.cache)  # into the HBM pool (dirty)
-                hbm_s, warm_hbm = median(lambda ids=ids: on_hbm.resume(ids))
+                hbm_s, warm_hbm = median(functools.partial(on_hbm.resume, ids))
                 with_hbm.flush()  # now in the sidecar's DRAM too
-                dram_s, warm_dram = median(lambda ids=ids: on_dram.resume(ids))
+                dram_s, warm_dram = median(functools.partial(on_dram.resume, ids))
                 result["lengths"].append(
                     {
                         "tokens": n,

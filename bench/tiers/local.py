@@ -156,7 +156,12 @@ def bench_nvme(directory: str, total_bytes: int) -> dict[str, float | bool]:
             assert tier.read_into(k, out) == size
         read1_s = time.perf_counter() - t0
         outs = [memoryview(aligned_buffer(size)) for _ in range(depth)]
-        offsets = [tier.meta(k).offset for k in keys]
+        offsets: list[int] = []
+        for k in keys:
+            entry = tier.meta(k)
+            if entry is None:
+                raise RuntimeError(f"block {k.hex()} is not in the NVMe tier after its write")
+            offsets.append(entry.offset)
 
         def read_share(i: int) -> None:
             for k in keys[i::depth]:

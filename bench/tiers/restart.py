@@ -41,7 +41,7 @@ import numpy as np
 from bench.limits import GB, emit, memcpy_gbps, ratio, raw_disk_gbps, raw_disk_once
 from harness.sidecar import BENCH_SETTINGS, SidecarProcess, remove_arenas
 from tierstore.config.store import StoreConfig
-from tierstore.keys import KVLayout, chain_keys
+from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.memory.arena import Arena
 from tierstore.store.nvme.writer import BATCH_BYTES
 from tierstore.store.tiered import TieredStore
@@ -49,7 +49,7 @@ from tierstore.store.tiered import TieredStore
 LAYOUT = KVLayout("bench-restart", 16, 8, 128, "float16", 16)  # 1 MiB blocks
 
 
-def blocks(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
+def blocks(n: int, seed: int) -> tuple[list[BlockKey], np.ndarray]:
     keys = chain_keys(LAYOUT, np.arange(seed * 10**6, seed * 10**6 + n * LAYOUT.block_tokens))
     data = np.random.default_rng(seed).integers(0, 255, (n, LAYOUT.block_bytes), np.uint8)
     return list(keys), data
@@ -197,10 +197,10 @@ def bench_fresh_put(total: int, shm_dir: str, repeats: int = 3) -> dict[str, flo
     return out
 
 
-def _put_all(store: TieredStore, keys: list[bytes], data: np.ndarray, took: list[float]) -> None:
+def _put_all(store: TieredStore, keys: list[BlockKey], data: np.ndarray, took: list[float]) -> None:
     t0 = time.perf_counter()
     for i in range(0, len(keys), 16):
-        store.put(LAYOUT, keys[i : i + 16], data[i : i + 16])  # type: ignore[arg-type]
+        store.put(LAYOUT, keys[i : i + 16], data[i : i + 16])
     took.append(time.perf_counter() - t0)
 
 
