@@ -24,7 +24,9 @@ ARENA = 4 << 20
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="locks memory and drops to nobody")
 
 # Locked as nobody with a 64 KiB memory-lock limit: no CAP_IPC_LOCK, so the limit holds.
-UNPRIVILEGED = f"ARENA_BYTES = {ARENA}\n" + """
+UNPRIVILEGED = (
+    f"ARENA_BYTES = {ARENA}\n"
+    + """
 import json, logging, os, resource, sys
 from tierstore.errors import ArenaError  # imported first: nobody cannot read root's Python
 from tierstore.memory.arena import Arena, locked_bytes
@@ -46,6 +48,7 @@ except ArenaError as e:
 print(json.dumps({"why": why, "locked": arena.locked, "vmlck": locked_bytes(),
                   "warned": warned, "refused": refused}))
 """
+)
 
 
 @needs_root
