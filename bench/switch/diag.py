@@ -4,13 +4,14 @@ that names the first reason the serving host held less than the last turn
 left; and a replay of a run's turns with a perfect sender (``oracle_switches``,
 ``peak_offered_load``): what any order or pacing of the link could have held
 at each switch, which tells a sender that fell behind from a link that could
-not carry the turns. Pure (no I/O); the driver's session and pusher threads
+not carry the turns; and the same replay in the sidecars' own order (oldest
+first) and shortest first, which tells what the order loses from what the
+sending costs. Pure (no I/O); the driver's session and pusher threads
 fill the records.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 from dataclasses import dataclass
@@ -119,27 +120,43 @@ def replica_jobs(turns: list[dict[str, Any]], block_bytes: int) -> dict[str, lis
     return jobs
 
 
-def serve_earliest_deadline(jobs: list[ReplicaJob], link_bytes_per_s: float) -> None:
+# The orders a replay's uplink can send in: ``deadline`` knows when each
+# session comes back (hindsight: the bound); ``oldest`` is the sidecars' own
+# order (tierstore.peer.pushq, tierstore.peer.stream), and ``shortest``
+# (fewest bytes left first) another order a real sender could run.
+ORDERS = ("deadline", "oldest", "shortest")
+
+
+def serve_in_order(jobs: list[ReplicaJob], link_bytes_per_s: float, order: str) -> None:
     """One uplink at ``link_bytes_per_s``, preemptive, no per-push cost,
-    always sending the ready job due first: fills each job's ``served``."""
+    always sending the ready job first in ``order`` (``ORDERS``): fills each
+    job's ``served``."""
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r}: want one of {ORDERS}")
     pending = sorted(jobs, key=lambda j: j.release)
-    ready: list[tuple[float, int, ReplicaJob]] = []
-    left = {id(j): float(j.nbytes) for j in jobs}
-    now, i = 0.0, 0
-    while i < len(pending) or ready:
+    left = [float(j.nbytes) for j in pending]
+    keys = {
+        "deadline": lambda i: (pending[i].deadline, i),
+        "oldest": lambda i: (pending[i].release, i),
+        "shortest": lambda i: (left[i], i),
+    }[order]
+    ready: list[int] = []
+    now, nxt = 0.0, 0
+    while nxt < len(pending) or ready:
         if not ready:
-            now = max(now, pending[i].release)
-        while i < len(pending) and pending[i].release <= now:
-            heapq.heappush(ready, (pending[i].deadline, i, pending[i]))
-            i += 1
-        job = ready[0][2]
-        until = pending[i].release if i < len(pending) else math.inf
-        end = min(until, now + left[id(job)] / link_bytes_per_s)
-        job.served.append((now, end, job.nbytes - left[id(job)]))
-        left[id(job)] -= (end - now) * link_bytes_per_s
+            now = max(now, pending[nxt].release)
+        while nxt < len(pending) and pending[nxt].release <= now:
+            ready.append(nxt)
+            nxt += 1
+        i = min(ready, key=keys)  # a few hundred jobs a run: a scan is enough
+        job = pending[i]
+        until = pending[nxt].release if nxt < len(pending) else math.inf
+        end = min(until, now + left[i] / link_bytes_per_s)
+        job.served.append((now, end, job.nbytes - left[i]))
+        left[i] -= (end - now) * link_bytes_per_s
         now = end
-        if left[id(job)] <= 1e-6 * job.nbytes:
-            heapq.heappop(ready)
+        if left[i] <= 1e-6 * job.nbytes:
+            ready.remove(i)
 
 
 def delivered_blocks(job: ReplicaJob, at: float, link_bytes_per_s: float, block_bytes: int) -> int:
@@ -152,20 +169,21 @@ def delivered_blocks(job: ReplicaJob, at: float, link_bytes_per_s: float, block_
 
 
 def oracle_switches(
-    turns: list[dict[str, Any]], link_bytes_per_s: float, block_bytes: int
+    turns: list[dict[str, Any]], link_bytes_per_s: float, block_bytes: int, order: str = "deadline"
 ) -> list[dict[str, Any]]:
     """Replay a two-host run's turns with a perfect sender: each host's
-    uplink carries the jobs of ``replica_jobs`` earliest deadline first,
-    knowing every deadline (hindsight: no real sender does better). One
-    entry per host switch: the blocks the serving host would have held at
-    the turn's start against what the last turn left.
+    uplink carries the jobs of ``replica_jobs`` in ``order``; by default
+    earliest deadline first, knowing every deadline (hindsight: no real
+    sender does better). One entry per host switch: the blocks the serving
+    host would have held at the turn's start against what the last turn left.
 
-    The bound ignores the CPU, the receiver and every per-push cost: a
-    switch that is not warm here could not be warm with any order or pacing
-    of this link for these turns."""
+    The replay ignores the CPU, the receiver and every per-push cost: a
+    switch that is not warm with ``deadline`` could not be warm with any
+    order or pacing of this link for these turns; one not warm with
+    ``oldest`` is lost by the sidecars' order itself, however fast they send."""
     jobs = replica_jobs(turns, block_bytes)
     for js in jobs.values():
-        serve_earliest_deadline(js, link_bytes_per_s)
+        serve_in_order(js, link_bytes_per_s, order)
     out = []
     for s, ts in _by_session(turns).items():
         for i, (prev, t) in enumerate(itertools.pairwise(ts)):

@@ -79,8 +79,10 @@ def two_sessions_back_at(x_back: float, y_back: float) -> list[dict]:
     ]
 
 
-def classes(turns: list[dict]) -> dict[str, str]:
-    return {o["session"]: o["oracle_class_of_cached"] for o in oracle_switches(turns, LINK, 1)}
+def classes(turns: list[dict], order: str = "deadline") -> dict[str, str]:
+    return {
+        o["session"]: o["oracle_class_of_cached"] for o in oracle_switches(turns, LINK, 1, order)
+    }
 
 
 @pytest.mark.parametrize(
@@ -103,6 +105,15 @@ def test_a_session_that_stays_does_not_hold_up_one_that_switches() -> None:
         turn("go", "B", 2.0, 11, 3.0, 12),  # its 10 blocks need 1 s, behind 3 s of "stay"'s
     ]
     assert classes(turns) == {"go": "warm"}
+    # Oldest first sends stay's 30 blocks before go's 10: go's land at 4.0 s.
+    assert classes(turns, "oldest") == {"go": "cold"}
+    # Fewest bytes left first: at 0.5 s stay has 25 left, go 10, so go's by 1.5 s.
+    assert classes(turns, "shortest") == {"go": "warm"}
+
+
+def test_a_replay_in_an_order_it_does_not_know_is_refused() -> None:
+    with pytest.raises(ValueError, match="order 'newest'"):
+        classes(two_sessions_back_at(2.5, 3.0), "newest")
 
 
 def test_blocks_the_host_computed_itself_count_and_only_the_delta_is_sent() -> None:
