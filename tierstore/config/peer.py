@@ -17,7 +17,6 @@ from tierstore.config.common import at_least, check_address, positive
 from tierstore.errors import ConfigError
 
 MAX_PUSHES_PER_TARGET = 8  # replicate_per_target: each in flight holds a replicator thread
-REPLICATE_ORDERS = ("shortest", "oldest")  # replicate_order (tierstore.peer.pushq)
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,6 @@ class PeerConfig:
     max_transfers: int = 8  # concurrent outgoing transfers served
     replicate_queue_max: int = 64  # replica pushes waiting; more are dropped and counted
     replicate_per_target: int = 1  # end_turn pushes in flight to one target (tierstore.peer.pushq)
-    replicate_order: str = "shortest"  # shortest | oldest: which replica bytes a link sends first
     max_watchers: int = 4  # routers' WatchBlocks streams at once (one server thread each)
     peer_max_rpcs: int = 64  # peer gRPC calls admitted at once; more get RESOURCE_EXHAUSTED
     peer_rpc_threads: int = 16  # threads serving the peer port's calls
@@ -88,11 +86,6 @@ class PeerConfig:
             raise ConfigError(
                 f"replicate_per_target must be 1-{MAX_PUSHES_PER_TARGET} (each is a thread), "
                 f"got {self.replicate_per_target}"
-            )
-        if self.replicate_order not in REPLICATE_ORDERS:
-            raise ConfigError(
-                f"replicate_order must be one of {', '.join(REPLICATE_ORDERS)}, "
-                f"got {self.replicate_order!r}"
             )
         if not 0.0 < self.stream_link_share <= 1.0:
             raise ConfigError(f"stream_link_share must be in (0, 1], got {self.stream_link_share}")

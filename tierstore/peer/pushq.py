@@ -1,27 +1,20 @@
-"""The queue of end_turn replica pushes: one in flight per target, fewest bytes first.
+"""The queue of end_turn replica pushes: one in flight per target, oldest first.
 
 Provides ``PushQueue``. The peer tier's replicator threads take pushes from
 it; each target (a link) carries at most ``per_target`` pushes at a time
-(``replicate_per_target``, 1 by default). Four pushes in flight to one
-target had shared its link four ways, so each finished up to four times
-later than alone: the next turn of every session behind them found its
-replica incomplete (``push_late``). One at a time, a push is complete
-before the next starts. Two at a time, so that one push's set-up (three
-round trips behind a busy link's queue) overlaps the bytes of the one
-before, measured worse in the switch bench: the two shared the link again
-and some pushes came late in the middle of a run (docs/benchmarks.md,
-Session switches). Pushes to other targets are not held up by a slow or
-dead one: a free replicator takes the next push whose target is free.
-
-Order (``replicate_order``): ``shortest``, the push with the fewest bytes
-left to send first (what its target lacks after the turn's streamed
-blocks), or ``oldest``, the order the turns ended in; ties go to the
-oldest. When the turns ask more than the link carries (the start of a
-fleet: every session's first prompt at once), fewest bytes first completes
-the most replicas by any moment; a run's turns replayed with a perfect
-sender kept more switches warm that way than oldest first in 4 of 6 runs,
-and never fewer (docs/benchmarks.md). A large push waits while smaller ones
-keep coming: at most as long as the link is overloaded.
+(``replicate_per_target``, 1 by default), and a target's pushes go in the
+order their turns ended. Four pushes in flight to one target had shared its
+link four ways, so each finished up to four times later than alone: the
+next turn of every session behind them found its replica incomplete
+(``push_late``). One at a time, the oldest turn's replica is complete
+first, and a session whose turn ended last waits for the ones before it
+rather than slowing them all. Two at a time, so that one push's set-up
+(three round trips behind a busy link's queue) overlaps the bytes of the
+one before, measured worse in the switch bench: the two shared the link
+again and some pushes came late in the middle of a run, where one at a
+time lost none (docs/benchmarks.md, Session switches). Pushes to other
+targets are not held up by a slow or dead one: a free replicator takes the
+oldest push whose target is free.
 
 Bounds: at most ``max_items`` pushes queued (``put`` says False beyond);
 every wait of ``get`` is a wait for work or for ``close``.
@@ -29,34 +22,27 @@ every wait of ``get`` is a wait for work or for ``close``.
 
 from __future__ import annotations
 
-import heapq
 import threading
+from collections import deque
 from typing import Generic, Protocol, TypeVar
 
-from tierstore.config.peer import REPLICATE_ORDERS
 
-
-class _Push(Protocol):
+class _HasTarget(Protocol):
     target: str
-    left_bytes: int  # what the target lacks, as far as the sender knows
 
 
-T = TypeVar("T", bound=_Push)
+T = TypeVar("T", bound=_HasTarget)
 
 
 class PushQueue(Generic[T]):
     """See the module docstring."""
 
-    def __init__(self, max_items: int, per_target: int = 1, order: str = "shortest") -> None:
+    def __init__(self, max_items: int, per_target: int = 1) -> None:
         if per_target < 1:
             raise ValueError(f"PushQueue: per_target must be >= 1, got {per_target}")
-        if order not in REPLICATE_ORDERS:
-            raise ValueError(f"PushQueue: order must be one of {REPLICATE_ORDERS}, got {order!r}")
         self._max_items = max_items
         self._per_target = per_target
-        self._shortest = order == "shortest"
-        # target -> heap of (rank, seq, push): rank is the bytes left (shortest) or 0 (oldest)
-        self._queued: dict[str, list[tuple[int, int, T]]] = {}
+        self._queued: dict[str, deque[tuple[int, T]]] = {}  # target -> its pushes, oldest first
         self._busy: dict[str, int] = {}  # target -> its pushes in flight (absent: none)
         self._count = 0
         self._seq = 0
@@ -69,29 +55,27 @@ class PushQueue(Generic[T]):
             if self._closed or self._count >= self._max_items:
                 return False
             self._seq += 1
-            rank = item.left_bytes if self._shortest else 0
-            heapq.heappush(self._queued.setdefault(item.target, []), (rank, self._seq, item))
+            self._queued.setdefault(item.target, deque()).append((self._seq, item))
             self._count += 1
             self._cond.notify()
             return True
 
     def get(self) -> T | None:
-        """The first push in order whose target has fewer than
-        ``per_target`` in flight (it is then in flight until ``done``); None
-        once closed."""
+        """The oldest push whose target has fewer than ``per_target`` in
+        flight (it is then in flight until ``done``); None once closed."""
         with self._cond:
             while True:
                 if self._closed:
                     return None
                 ready = [
-                    (q[0][:2], target)
+                    (q[0][0], target)
                     for target, q in self._queued.items()
                     if q and self._busy.get(target, 0) < self._per_target
                 ]
                 if ready:
                     _, target = min(ready)
                     queue = self._queued[target]
-                    _, _, item = heapq.heappop(queue)
+                    _, item = queue.popleft()
                     if not queue:
                         del self._queued[target]
                     self._busy[target] = self._busy.get(target, 0) + 1
@@ -112,7 +96,7 @@ class PushQueue(Generic[T]):
     def drain(self) -> list[T]:
         """Remove and return everything queued (not what is in flight)."""
         with self._cond:
-            items = [item for q in self._queued.values() for _, _, item in sorted(q)]
+            items = [item for q in self._queued.values() for _, item in q]
             self._queued.clear()
             self._count = 0
             return items

@@ -59,7 +59,6 @@ class Push:
     keys: list[BlockKey]
     target: str
     backlog_bytes: int  # counted in the policy's backlog until the push ends
-    left_bytes: int  # what the target lacks after the turn's streamed blocks (push order)
     done: threading.Event = field(default_factory=threading.Event)
     reply: Any = None
 
@@ -93,9 +92,7 @@ class Replicator:
         # A few pushes in flight per target, oldest first (tierstore.peer.pushq);
         # more workers than that: one slow or dead target must not hold up
         # the pushes to the others.
-        self._pushes: PushQueue[Push] = PushQueue(
-            cfg.replicate_queue_max, cfg.replicate_per_target, cfg.replicate_order
-        )
+        self._pushes: PushQueue[Push] = PushQueue(cfg.replicate_queue_max, cfg.replicate_per_target)
         self._replicators = [
             workers.start(f"tierstore-replicator-{i}", self._replicate_loop)
             for i in range(REPLICATOR_THREADS + cfg.replicate_per_target - 1)
@@ -107,7 +104,6 @@ class Replicator:
             counters=counters,
             max_bytes=cfg.stream_max_bytes,
             link_share=cfg.stream_link_share,
-            order=cfg.replicate_order,
             max_sessions=MAX_SESSIONS,
             contended=self._pushes_running,
         )
@@ -189,7 +185,7 @@ class Replicator:
         host; None: no push) still lacks, if the replication policy agrees.
         Blocks streamed during the turn are held there already: the target
         fetches only the rest."""
-        streamed = self.streamer.finish(session)
+        self.streamer.finish(session)
         with self._lock:
             prev = self._sessions.get(session)
             self._sessions[session] = (layout, keys)
@@ -208,8 +204,7 @@ class Replicator:
         if not self._decide(target, num_tokens, push_bytes):
             self.counters.add("pushes_skipped")
             return None
-        left_bytes = max(0, len(keys) - shared - streamed) * layout.block_bytes
-        push = Push(session, layout, keys, target, push_bytes, left_bytes)
+        push = Push(session, layout, keys, target, push_bytes)
         with self._lock:
             self._push_backlog_bytes += push_bytes
         if not self._pushes.put(push):

@@ -17,14 +17,11 @@ its full rate (pacing an idle link only made replicas late). Whether a
 session is streamed at all is the replication policy's decision (the
 caller's ``offer`` says so).
 
-Order (``replicate_order``, as the end_turn pushes of
-``tierstore.peer.pushq``): the stream with the fewest blocks queued first
-(``shortest``), or the oldest stream first (``oldest``); ties go to the
-oldest, and a stream's chunks go one after the other. When the link cannot
-carry every session's turn before its next one (the start of a fleet, a
-burst of long prompts), sending the sessions one after the other leaves
-only the last ones late, and the shortest first completes the most;
-sharing the link round robin made them all late together.
+Order: the oldest stream first, each chunk of it before the next session's.
+When the link cannot carry every session's turn before its next one (the
+start of a fleet, a burst of long prompts), sending the sessions one after
+the other leaves only the last ones late; sharing it round robin made them
+all late together.
 
 Threads: any Commit thread offers; one "tierstore-streamer" thread pushes
 (each push is a replicate call: the target fetches the blocks it lacks over
@@ -63,7 +60,6 @@ class _Stream:
     layout: KVLayout
     keys: deque[BlockKey] = field(default_factory=deque)
     offered_blocks: int = 0  # this turn's blocks offered so far
-    sent_blocks: int = 0  # this turn's blocks handed to a push so far
 
 
 class ReplicaStreamer:
@@ -80,7 +76,6 @@ class ReplicaStreamer:
         max_bytes: int,
         link_share: float,
         max_sessions: int,
-        order: str = "shortest",
     ) -> None:
         self._push = push
         self._link_bytes_per_s = link_bytes_per_s
@@ -89,7 +84,6 @@ class ReplicaStreamer:
         self._max_bytes = max_bytes
         self._link_share = link_share
         self._max_sessions = max_sessions
-        self._shortest = order == "shortest"
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
         self._queued_bytes = 0
         self._in_flight_bytes = 0
@@ -120,12 +114,7 @@ class ReplicaStreamer:
             if state is None or state.target != target or state.layout != layout:
                 if state is not None:
                     self._queued_bytes -= len(state.keys) * size
-                state = _Stream(
-                    target,
-                    layout,
-                    offered_blocks=state.offered_blocks if state else 0,
-                    sent_blocks=state.sent_blocks if state else 0,
-                )
+                state = _Stream(target, layout, offered_blocks=state.offered_blocks if state else 0)
                 self._streams[session] = state
                 self._evict_sessions()
             state.offered_blocks += len(keys)
@@ -141,15 +130,12 @@ class ReplicaStreamer:
             {"stream_offered_blocks": len(keys), "stream_deferred_blocks": len(keys) - len(take)}
         )
 
-    def finish(self, session: str) -> int:
-        """The turn ended: what is still queued is left to ``end_turn``'s
-        push. Returns the turn's blocks handed to a streamed push."""
+    def finish(self, session: str) -> None:
+        """The turn ended: what is still queued is left to ``end_turn``'s push."""
         with self._cond:
             state = self._streams.pop(session, None)
-            if state is None:
-                return 0
-            self._queued_bytes -= len(state.keys) * state.layout.block_bytes
-            return state.sent_blocks
+            if state is not None:
+                self._queued_bytes -= len(state.keys) * state.layout.block_bytes
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing is queued or in flight (tests, benchmarks)."""
@@ -164,21 +150,16 @@ class ReplicaStreamer:
             self._queued_bytes -= len(old.keys) * old.layout.block_bytes
 
     def _next_chunk(self) -> tuple[str, _Stream, list[BlockKey]] | None:
-        """The first stream in order (module docstring) with blocks queued
-        whose target's pacing allows a send now, and its next chunk. Holds
-        the lock."""
+        """The oldest session's chunk whose target's pacing allows a send now.
+        Holds the lock."""
         now = time.monotonic()
-        ready = [
-            (len(state.keys) if self._shortest else 0, i, session, state)
-            for i, (session, state) in enumerate(self._streams.items())
-            if state.keys and self._next_send_at.get(state.target, 0.0) <= now
-        ]
-        if not ready:
-            return None
-        _, _, session, state = min(ready, key=lambda r: r[:2])
-        chunk = [state.keys.popleft() for _ in range(min(STREAM_CHUNK_BLOCKS, len(state.keys)))]
-        state.sent_blocks += len(chunk)
-        return session, state, chunk
+        for session, state in self._streams.items():
+            if state.keys and self._next_send_at.get(state.target, 0.0) <= now:
+                chunk = [
+                    state.keys.popleft() for _ in range(min(STREAM_CHUNK_BLOCKS, len(state.keys)))
+                ]
+                return session, state, chunk
+        return None
 
     def _wait_s(self) -> float:
         """How long until some queued chunk may be sent. Holds the lock."""

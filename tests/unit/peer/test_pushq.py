@@ -1,6 +1,6 @@
-"""PushQueue: one push (or ``per_target``) in flight per target, the fewest
-bytes (or the oldest) first, a busy target not holding up the others, the
-bound, and close waking every waiter."""
+"""PushQueue: one push (or ``per_target``) in flight per target, the oldest
+first, a busy target not holding up the others, the bound, and close waking
+every waiter."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ WAIT_S = 10.0
 class P:
     target: str
     name: str
-    left_bytes: int = 0
 
 
 def test_one_in_flight_per_target_oldest_first() -> None:
@@ -38,28 +37,6 @@ def test_one_in_flight_per_target_oldest_first() -> None:
     waiter.join(WAIT_S)
     assert [p.name for p in got if p] == ["a2"]
     q.close()
-
-
-@pytest.mark.parametrize(
-    ("order", "expected"),
-    [("shortest", ["a2", "b1", "a3", "a1"]), ("oldest", ["a1", "a2", "a3", "b1"])],
-)
-def test_pushes_go_in_the_order_set(order: str, expected: list[str]) -> None:
-    q: PushQueue[P] = PushQueue(8, per_target=4, order=order)
-    for name, left in (("a1", 300), ("a2", 100), ("a3", 200), ("b1", 100)):
-        assert q.put(P(name[0].upper(), name, left))
-    got = [q.get() for _ in range(4)]
-    # Fewest bytes first, whatever the target; a tie (a2, b1) goes to the older.
-    assert [p.name for p in got if p] == expected
-    q.close()
-
-
-def test_an_order_it_does_not_know_is_refused() -> None:
-    with pytest.raises(ValueError, match="order must be one of"):
-        PushQueue(8, order="newest")
-    assert PeerConfig(replicate_order="oldest").replicate_order == "oldest"
-    with pytest.raises(ConfigError, match="replicate_order must be one of shortest, oldest"):
-        PeerConfig(replicate_order="fifo")
 
 
 def test_per_target_pushes_in_flight_and_no_more() -> None:
