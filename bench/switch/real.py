@@ -4,8 +4,11 @@ and the run's figures next to the public write-up's (``PUBLIC``,
 ``TARGETS``): switch warmth, send, receive and import times (each also at
 its scale-1 equivalent), the import next to memcpy of the same bytes, link
 bytes and utilisation, the sidecars' counters, CPU use, and the replay of
-the run's turns with a perfect sender (``bench.switch.diag``). Needs root;
-runs in the benchmark's process.
+the run's turns with a perfect sender (``bench.switch.diag``): in hindsight
+(what any order could hold), in the sidecars' own order (oldest first)
+and in another a sender could run (shortest first), which tells a switch
+lost to the order from one lost to the sending (``oracle.online_orders``).
+Needs root; runs in the benchmark's process.
 """
 
 from __future__ import annotations

@@ -48,7 +48,11 @@ headroom rule and stream each session's blocks as the turn stores them
 (``session=`` on store); off is kv_share's rule with an unreachable
 ``min_tokens``. Next to each run, the perfect-store model of the same
 sessions: ``simulated_same_runs`` (kv_share's rule) and
-``simulated_same_runs_stream`` (the rule the sidecars ran).
+``simulated_same_runs_stream`` (the rule the sidecars ran); in each run,
+its own turns replayed with a perfect sender (``oracle``: in hindsight,
+and in two orders a sender can run without hindsight, ``online_orders``).
+``meets_targets`` checks issue 6's targets on the affinity run and issue
+39's warm of cached in every run of each policy.
 
 The pieces: ``real.py`` (one real run and its figures), ``hosts.py``
 (namespaces, links, sidecars, the engines' import processes), ``driver.py``
