@@ -295,8 +295,11 @@ def _oracle(st: Any, link_bytes_per_s: float | None, block_bytes: int) -> dict[s
     online = {}
     for order in ("oldest", "shortest"):
         switches, lost = replay(order)
+        allowed = sum(o["oracle_class_of_cached"] == "warm" for o in switches)
         online[order] = {
             "warm_of_cached": shares([o["oracle_class_of_cached"] for o in switches])["warm"],
+            # Of the switches this order keeps warm, the share the sidecars kept.
+            "sidecars_kept_of_allowed": (allowed - len(lost)) / allowed if allowed else None,
             "not_warm_t_s": [
                 round(o["t_s"], 3) for o in switches if o["oracle_class_of_cached"] != "warm"
             ],
