@@ -132,3 +132,29 @@ def test_the_peak_offered_load_is_the_busiest_window_over_the_link() -> None:
     assert peak_offered_load(jobs, 1.0, LINK) == 4.0  # 40 blocks within 1 s, 10 carried
     assert peak_offered_load(jobs, 0.5, LINK) == 4.0  # 20 within 0.5 s, 5 carried
     assert peak_offered_load(jobs, 10.0, LINK) == pytest.approx(0.4)
+
+
+def test_a_run_tells_a_switch_lost_to_the_order_from_one_lost_to_the_sending() -> None:
+    from bench.switch.driver import RunStats
+    from bench.switch.real import _oracle
+
+    turns = [
+        turn("stay", "A", 0.0, 30, 0.1, 30),
+        turn("stay", "A", 5.0, 30, 6.0, 30),
+        turn("go", "A", 0.5, 10, 0.6, 10),
+        turn("go", "B", 2.0, 11, 3.0, 12),
+    ]
+    st = RunStats(turn_log=turns)
+    # The sidecars held none of go's 10 blocks when it switched at 2.0 s.
+    st.switch_log = [{"session": "go", "t_s": 2.0, "class_of_cached": "cold"}]
+    oracle = _oracle(st, LINK, 1)
+    assert oracle is not None
+    online = oracle["online_orders"]
+    # Oldest first loses it too: the order's loss, none of the sending's.
+    assert online["oldest"]["not_warm_t_s"] == [2.0]
+    assert online["oldest"]["lost_by_sender"] == []
+    assert online["oldest"]["sidecars_kept_of_allowed"] is None  # it allows no switch
+    # Fewest bytes first keeps it: there the sidecars lost a switch the order allowed.
+    assert online["shortest"]["not_warm_t_s"] == []
+    assert [e["session"] for e in online["shortest"]["lost_by_sender"]] == ["go"]
+    assert online["shortest"]["sidecars_kept_of_allowed"] == 0.0
