@@ -93,7 +93,13 @@ from harness.netns import Network, exit_on_signals, run_in_netns
 from harness.sidecar import bench_sidecar
 from tierstore.client import StoreClient
 from tierstore.config.store import StoreConfig
-from tierstore.engines.vllm.driver import Histo, VllmEngine, kv_transfer_config, tiny_llama
+from tierstore.engines.vllm.driver import (
+    LOAD_SECONDS,
+    Histo,
+    VllmEngine,
+    kv_transfer_config,
+    tiny_llama,
+)
 from tierstore.memory.memcopy import copy_thread_count
 
 TARGET = 0.8  # every ratio of issue 39
@@ -144,7 +150,6 @@ CASE_COUNTERS = (
     "promotions", "spilled_blocks", "peer_fetches", "peer_fetched_blocks", "peer_pulls",
     "peer_pulls_joined", "prefetch_started",
 )  # fmt: skip
-LOAD_SECONDS = "vllm:tierstore_load_seconds"
 NVME_READ_DEPTH = StoreConfig().nvme_read_depth  # A's reads in flight while it promotes
 DEMOTER_QUIET_S = 60.0  # the demoter makes room after the filler within this
 

@@ -60,6 +60,7 @@ from harness.sidecar import SidecarProcess, overwrite_nvme_blocks, push_out_of_d
 from tierstore.cli.ports import free_port
 from tierstore.client import StoreClient
 from tierstore.engines.vllm.driver import (
+    LOAD_SECONDS,
     WIDE_KV,
     Histo,
     Output,
@@ -76,7 +77,6 @@ BLOCK_BYTES = 4 * 2 * 2 * 64 * BLOCK * 2  # 4 layers, K+V, 2 heads, dim 64, bf16
 WIDE_BLOCK_BYTES = 24 * 2 * 8 * 128 * BLOCK * 2  # WIDE_KV: 12 MiB
 NEW_TOKENS = 32  # compared greedy tokens per prompt
 DRAM = 32 << 20
-LOAD_SECONDS = "vllm:tierstore_load_seconds"  # the connector's timing of each load
 DEATH_DEADLINE_S = 60.0  # a batch whose sidecar died: recomputed within this
 MIN_FREE_GIB = 5
 SC_FLAGS = (

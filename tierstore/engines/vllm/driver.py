@@ -56,6 +56,11 @@ class Output:
     num_cached_tokens: int
 
 
+# The connector's histogram of its loads' seconds (tierstore.engines.vllm.metrics, which
+# imports vLLM: this module must not), for ``VllmEngine.histograms``.
+LOAD_SECONDS = "vllm:tierstore_load_seconds"
+
+
 @dataclass(frozen=True, slots=True)
 class Histo:
     """A histogram's observations so far: how many, and their sum."""
