@@ -205,6 +205,25 @@ class SidecarProcess:
         except OSError:
             return ""
 
+    def freeze(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP, and wait until every thread of it is stopped: the signal
+        stops a process only as each thread takes it, and until the last one
+        does, a thread already running can still answer a call (a test's
+        "stalled peer" once answered a lookup, then hung the fetch after it).
+        ``thaw`` (SIGCONT) lets it go on."""
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while (running := _running_threads(self.pid)) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if running:
+            raise RuntimeError(
+                f"sidecar {self.pid}: threads {running} not stopped {timeout_s} s after SIGSTOP"
+            )
+
+    def thaw(self) -> None:
+        """SIGCONT (after ``freeze``)."""
+        self.proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> int:
         """SIGKILL and reap; leaves the arena behind, as a real crash does. Returns the pid."""
         self.proc.kill()
@@ -230,6 +249,20 @@ class SidecarProcess:
             if proc.returncode is not None and proc.returncode < 0:
                 remove_arenas(proc.pid)
         return self.proc.returncode if self.procs else 0
+
+
+def _running_threads(pid: int) -> list[int]:
+    """The threads of ``pid`` not in the stopped state ("T"), by /proc."""
+    running = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]  # after "tid (comm)"
+        except FileNotFoundError:  # the thread ended
+            continue
+        if state not in ("T", "t"):
+            running.append(int(tid))
+    return running
 
 
 def start_sidecar(root: Path, *extra: str, **options: Any) -> SidecarProcess:

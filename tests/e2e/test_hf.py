@@ -363,7 +363,10 @@ def test_resume_falls_back_to_prefill_when_the_peer_fails(llama: Any, tmp_path: 
             save_cold(on_a, ids)
             ref = cold_logits(llama, ids)
             for sig in (signal.SIGSTOP, signal.SIGKILL):
-                a.proc.send_signal(sig)
+                if sig == signal.SIGSTOP:
+                    a.freeze()  # every thread stopped: none answers the lookup
+                else:
+                    a.proc.send_signal(sig)
                 res = on_b.resume(ids, include_peers=True)
                 assert res.num_reused_tokens == 0, sig
                 assert torch.equal(res.logits, ref), sig
@@ -374,7 +377,7 @@ def test_resume_falls_back_to_prefill_when_the_peer_fails(llama: Any, tmp_path: 
                 == on_b.generate(ids, NEW_TOKENS, resume=False).tokens
             )
     finally:
-        a.proc.send_signal(signal.SIGCONT)
+        a.thaw()
         a.stop()
         for name in os.listdir("/dev/shm"):  # a SIGKILLed sidecar cannot remove its arena
             if name.startswith(f"tierstore-{a.proc.pid}-"):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -284,12 +283,12 @@ def test_a_dead_or_hung_sidecar_gives_misses_and_never_hangs_sglang(
             sc.proc.kill()
             sc.proc.wait(10)
         else:
-            sc.proc.send_signal(signal.SIGSTOP)
+            sc.freeze()
         r = drive(sglang_python, sc.socket, seed=600, settings=settings, timeout_s=30.0)
         assert r["backup_tokens"] == 0
         assert r["hit_tokens"] == 0
         assert r["backup_stats"]["stored_pages"] == 0
     finally:
         if how == "stopped":
-            sc.proc.send_signal(signal.SIGCONT)
+            sc.thaw()
         sc.stop()

@@ -13,7 +13,6 @@ import contextlib
 import io
 import json
 import random
-import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -206,8 +205,8 @@ def test_a_host_that_stops_answering_is_skipped_within_the_deadline(fleet: Fleet
     deadline_s = 2.0
     router = Router(fleet.config(router_lookup_timeout_s=deadline_s), PEER_CFG)
     assert router.route(L, keys, len(tokens)).ranked[0].host == fleet.hosts[1]  # connected
-    stalled = fleet.cars[1].proc
-    stalled.send_signal(signal.SIGSTOP)
+    stalled = fleet.cars[1]
+    stalled.freeze()
     try:
         t0 = time.monotonic()
         p = router.route(L, keys, len(tokens))
@@ -218,7 +217,7 @@ def test_a_host_that_stops_answering_is_skipped_within_the_deadline(fleet: Fleet
         assert p.best is not None and p.best.host != fleet.hosts[1]
         assert all(c.reachable for c in p.ranked[: p.ranked.index(down)])  # after the live ones
     finally:
-        stalled.send_signal(signal.SIGCONT)
+        stalled.thaw()
         router.close()
 
 
