@@ -3,9 +3,10 @@ tests and the benchmarks alike.
 
 Provides ``serve_args`` (the command line of a sidecar), ``SidecarProcess``
 (one child with its files under a directory: start, wait until it answers
-Stat, stop, SIGKILL, restart on the same files, its counters, memory and
-log; optionally inside a network namespace), ``start_sidecar`` (build and
-start one: the tests' one-liner), ``bench_sidecar`` (the single-host
+Stat, stop, SIGKILL, freeze and thaw, restart on the same files, its
+counters, memory and log; optionally inside a network namespace),
+``threads_not_stopped`` (what ``freeze`` waits on), ``start_sidecar``
+(build and start one: the tests' one-liner), ``bench_sidecar`` (the single-host
 benchmarks' sidecar for the length of a ``with`` block), and the helpers that
 act on a running sidecar's tiers from outside (``push_out_of_dram``,
 ``overwrite_nvme_blocks``) or on the arenas a killed one leaves in /dev/shm.
@@ -213,7 +214,7 @@ class SidecarProcess:
         ``thaw`` (SIGCONT) lets it go on."""
         self.proc.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + timeout_s
-        while (running := _running_threads(self.pid)) and time.monotonic() < deadline:
+        while (running := threads_not_stopped(self.pid)) and time.monotonic() < deadline:
             time.sleep(0.001)
         if running:
             raise RuntimeError(
@@ -251,7 +252,7 @@ class SidecarProcess:
         return self.proc.returncode if self.procs else 0
 
 
-def _running_threads(pid: int) -> list[int]:
+def threads_not_stopped(pid: int) -> list[int]:
     """The threads of ``pid`` not in the stopped state ("T"), by /proc."""
     running = []
     for tid in os.listdir(f"/proc/{pid}/task"):

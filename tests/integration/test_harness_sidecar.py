@@ -1,4 +1,5 @@
-"""The harness's sidecars die with the process that started them.
+"""The harness's sidecars die with the process that started them, and a
+frozen one answers nothing until it is thawed.
 
 A benchmark or test that is SIGKILLed must not leave a ``tierstore serve``
 behind (it holds gigabytes of /dev/shm and its ports): ``die_with_parent``
@@ -19,8 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+import pytest
+
 from harness import REPO, child_env
 from harness.reaper import start_time
+from harness.sidecar import start_sidecar, threads_not_stopped
 
 PARENT = """
 import sys, time
@@ -79,3 +84,25 @@ def test_without_it_the_sidecar_outlives_its_parent(tmp_path: Path) -> None:
     finally:
         os.kill(pid, signal.SIGTERM)
         assert _gone_within(pid, WAIT_S)
+
+
+def test_a_frozen_sidecar_answers_nothing_until_thawed(tmp_path: Path) -> None:
+    """``freeze`` returns with every thread stopped (the tests of a stalled
+    peer rely on it: a thread still running once answered a lookup after
+    SIGSTOP); ``thaw`` lets it serve again."""
+    s = start_sidecar(tmp_path / "s")
+    try:
+        # The control: a serving sidecar's threads (sleeping or running) are
+        # not stopped, so the check below can fail.
+        assert len(threads_not_stopped(s.pid)) > 1
+        s.freeze()
+        assert threads_not_stopped(s.pid) == []
+        with pytest.raises(grpc.RpcError) as stalled:
+            s.stat(timeout_s=0.5)
+        assert stalled.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        s.thaw()
+        assert s.stat(timeout_s=10.0).counters is not None
+        assert len(threads_not_stopped(s.pid)) > 1
+    finally:
+        s.thaw()
+        s.stop()
