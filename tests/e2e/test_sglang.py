@@ -129,6 +129,9 @@ def test_backup_then_prefetch_is_byte_exact(
     _all_equal(r)
     assert r["prefetch_stats"]["loaded_pages"] == PAGES
     assert r["prefetch_stats"]["hit_tiers"] == {"dram": PAGES}
+    # The copies' share of the sets and gets is timed, within them.
+    assert 0 < r["backup_stats"]["store_copy_s"] <= r["backup_stats"]["store_s"]
+    assert 0 < r["prefetch_stats"]["load_copy_s"] <= r["prefetch_stats"]["load_s"]
 
 
 def test_v1_copies_on_threads_with_memory_kept_warm(round_trips: dict[Any, Any]) -> None:

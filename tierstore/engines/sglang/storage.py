@@ -79,6 +79,8 @@ class StorageStats:
     lookup_s: float = 0.0  # wall time in batch_exists, summed over the calling threads
     store_s: float = 0.0  # in the sets (reserve, copies, commit)
     load_s: float = 0.0  # in the gets (pin, copies, release)
+    store_copy_s: float = 0.0  # of store_s, in the copies into the arena
+    load_copy_s: float = 0.0  # of load_s, in the copies out of it
     hit_tiers: dict[str, int] = field(default_factory=dict)  # by the tier that held them
 
 
@@ -244,6 +246,7 @@ class TierstoreStorage(HiCacheStorage):
             return done
         bkeys = block_keys(layout, keys)
         stored = existing = refused = 0
+        copy_s = 0.0
         try:
             for lo in range(0, len(keys), client.max_batch_keys):
                 hi = min(len(keys), lo + client.max_batch_keys)
@@ -258,7 +261,9 @@ class TierstoreStorage(HiCacheStorage):
                     elif status != ReserveStatus.OK:
                         refused += 1
                 try:
+                    c0 = time.perf_counter()
                     copy(client, [reserved.offsets[i - lo] for i in fill], fill)
+                    copy_s += time.perf_counter() - c0
                 except BaseException:  # no half-written block is ever committed
                     client.abort(layout, [bkeys[i] for i in fill])
                     raise
@@ -276,6 +281,7 @@ class TierstoreStorage(HiCacheStorage):
             self.stats.refused_pages += refused
             self.stats.stored_bytes += stored * layout.block_bytes
             self.stats.store_s += dt
+            self.stats.store_copy_s += copy_s
             if self.config.enable_storage_metrics and stored:
                 self._metrics["backup_pgs"].append(stored)
                 self._metrics["backup_bandwidth"].append(stored * layout.block_bytes / dt / 1e9)
@@ -287,6 +293,7 @@ class TierstoreStorage(HiCacheStorage):
         t0 = time.perf_counter()
         client = self._client()
         loaded = 0
+        copy_s = 0.0
         if client is not None and keys:
             bkeys = block_keys(layout, keys)
             try:
@@ -299,7 +306,9 @@ class TierstoreStorage(HiCacheStorage):
                         deadline_s=self.settings.load_deadline_s,
                     ) as pinned:
                         got = len(pinned.offsets)
+                        c0 = time.perf_counter()
                         copy(client, list(pinned.offsets), list(range(loaded, loaded + got)))
+                        copy_s += time.perf_counter() - c0
                     loaded += got
                     if got < len(run):
                         break
@@ -311,6 +320,7 @@ class TierstoreStorage(HiCacheStorage):
             self.stats.missed_pages += len(keys) - loaded
             self.stats.loaded_bytes += loaded * layout.block_bytes
             self.stats.load_s += dt
+            self.stats.load_copy_s += copy_s
             if self.config.enable_storage_metrics and loaded:
                 self._metrics["prefetch_pgs"].append(loaded)
                 self._metrics["prefetch_bandwidth"].append(loaded * layout.block_bytes / dt / 1e9)
