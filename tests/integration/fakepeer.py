@@ -7,7 +7,8 @@ every key) and ``OpenFetch`` with a ticket and the address of its own TCP data
 server. What the data server sends is chosen by ``mode`` (see ``MODES``): good
 frames, one bad digest, a flipped payload byte, an oversize length, frames out
 of order, a compressed flag over garbage, half a block then a stall, or a slow
-drip of bytes. ``lookup_delay_s`` makes Lookup stall, ``replicate_delay_s``
+drip of bytes. ``lookup_delay_s`` makes Lookup stall, ``open_delay_s``
+OpenFetch (a peer frozen after its lookup answered), ``replicate_delay_s``
 Replicate (which otherwise answers at once that it holds every key).
 
 Runs in the test process: one gRPC thread pool and one thread per data
@@ -51,12 +52,14 @@ class FakePeer:
         self.mode = "good"
         self.bad_index = 0
         self.lookup_delay_s = 0.0
+        self.open_delay_s = 0.0
         self.replicate_delay_s = 0.0
         self.replicates = 0
         self.drip_bytes = 256
         self.drip_interval_s = 0.2
         self.lookups = 0
-        self.fetches = 0
+        self.fetches = 0  # transfers opened (OpenFetch answered)
+        self.opens_asked = 0  # OpenFetch calls received, answered or not
         self.connections = 0
         self._tickets: dict[bytes, list[bytes]] = {}
         self._lock = threading.Lock()
@@ -83,10 +86,12 @@ class FakePeer:
         bad_index: int = 0,
         lookup_delay_s: float = 0.0,
         replicate_delay_s: float = 0.0,
+        open_delay_s: float = 0.0,
     ) -> None:
         assert mode in MODES, mode
         self.mode, self.bad_index = mode, bad_index
         self.lookup_delay_s, self.replicate_delay_s = lookup_delay_s, replicate_delay_s
+        self.open_delay_s = open_delay_s
 
     def held_prefix(self, keys: list[bytes]) -> int:
         n = 0
@@ -198,6 +203,9 @@ class _Servicer(peer_pb2_grpc.PeerServiceServicer):
         return peer_pb2.PeerLookupReply(num_hits=n, tiers=bytes([2]) * n)
 
     def OpenFetch(self, request: Any, context: Any) -> peer_pb2.OpenFetchReply:
+        self.fake.opens_asked += 1
+        if self.fake.open_delay_s:
+            self.fake._stop.wait(min(self.fake.open_delay_s, MAX_STALL_S))
         keys = _keys(request.keys)
         keys = keys[: self.fake.held_prefix(keys)]
         return peer_pb2.OpenFetchReply(

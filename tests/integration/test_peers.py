@@ -63,6 +63,7 @@ REPLICA_BUDGET_BLOCKS = 64
 # A wait bounded by a deadline ends within this past it (CI runs two test modules at once on
 # two cores); each stall the tests set up would hold it far longer.
 SLACK_S = 1.5
+STALL_S = 2.0  # the fake group's fetch_stall_s
 HBM_BLOCKS = 32  # the engine's device pool in the residency test
 PLAINTEXT_WARNING = "listens beyond loopback without TLS"
 
@@ -685,6 +686,8 @@ class FakeGroup:
                 "--set",
                 "fetch_timeout_s=10",
                 "--set",
+                f"fetch_stall_s={STALL_S}",
+                "--set",
                 f"metrics_port={self.metrics_port}",
             )
         except BaseException:
@@ -877,7 +880,7 @@ def test_stalled_data_channel_keeps_what_verified(fake_group: FakeGroup, fake: F
         assert after["peer_fetch_timeouts"] - before["peer_fetch_timeouts"] == 1
         assert after["peer_fetch_errors"] == before["peer_fetch_errors"]
         line = next(x for x in cli_stat(fake_group.b).splitlines() if x.startswith("peers"))
-        assert f"timeouts {after['peer_fetch_timeouts']}, bad blocks" in line
+        assert f"timeouts {after['peer_fetch_timeouts']}, stalls " in line
         metrics = scrape(fake_group.metrics_port)
         assert metrics["tierstore_peer_fetch_timeouts_total"] == after["peer_fetch_timeouts"]
         assert metrics["tierstore_peer_fetch_errors_total"] == after["peer_fetch_errors"]
@@ -898,6 +901,79 @@ def test_dripping_data_channel_ends_at_the_deadline(fake_group: FakeGroup, fake:
         assert res.num_blocks <= 1 and torch.equal(res.blocks[:1], data[:1])
         timeouts = counters(b)["peer_fetch_timeouts"] - before["peer_fetch_timeouts"]
         assert timeouts == 1
+
+
+def test_stalled_data_channel_is_cut_before_the_deadline(
+    fake_group: FakeGroup, fake: FakePeer
+) -> None:
+    """Half a block, then silence, with a deadline far off: the transfer is
+    cut after fetch_stall_s, not at the deadline, and keeps what verified."""
+    keys, data = give_fake(fake, 8)
+    fake.configure("half_stall", bad_index=3)
+    with StoreClient(str(fake_group.b.socket)) as b:
+        used, num = dram_stat(b)
+        before = counters(b)
+        deadline_s = 8.0
+        t0 = time.monotonic()
+        res = b.load(L, keys, include_peers=True, deadline_s=deadline_s)
+        took = time.monotonic() - t0
+        assert STALL_S <= took < STALL_S + SLACK_S, f"load took {took:.2f} s"
+        assert res.num_blocks == 3 and torch.equal(res.blocks[:3], data[:3])
+        assert dram_stat(b) == (used + 3 * BLOCK, num + 3)
+        assert cli_pins(fake_group.b) == [0]
+        # A stall, not a timeout or an error: in the stat, `tierstore stat`, /metrics.
+        after = counters(b)
+        assert after["peer_fetch_stalls"] - before["peer_fetch_stalls"] == 1
+        assert after["peer_fetch_timeouts"] == before["peer_fetch_timeouts"]
+        assert after["peer_fetch_errors"] == before["peer_fetch_errors"]
+        line = next(x for x in cli_stat(fake_group.b).splitlines() if x.startswith("peers"))
+        assert f"stalls {after['peer_fetch_stalls']}, bad blocks" in line
+        metrics = scrape(fake_group.metrics_port)
+        assert metrics["tierstore_peer_fetch_stalls_total"] == after["peer_fetch_stalls"]
+        assert_b_still_serves(b)
+
+
+def test_dripping_data_channel_is_not_a_stall(fake_group: FakeGroup, fake: FakePeer) -> None:
+    """The control of the stall limit: bytes that keep coming, however few,
+    re-arm it, so a drip runs to the deadline (past fetch_stall_s)."""
+    keys, data = give_fake(fake, 4)
+    fake.configure("drip", bad_index=1)
+    fake.drip_bytes, fake.drip_interval_s = 512, 0.2  # one block takes 3.2 s
+    with StoreClient(str(fake_group.b.socket)) as b:
+        before = counters(b)
+        deadline_s = STALL_S + 1.0
+        t0 = time.monotonic()
+        res = b.load(L, keys, include_peers=True, deadline_s=deadline_s)
+        took = time.monotonic() - t0
+        assert deadline_s - 0.3 <= took < deadline_s + SLACK_S, f"load took {took:.2f} s"
+        assert res.num_blocks <= 1 and torch.equal(res.blocks[:1], data[:1])
+        after = counters(b)
+        assert after["peer_fetch_timeouts"] - before["peer_fetch_timeouts"] == 1
+        assert after["peer_fetch_stalls"] == before["peer_fetch_stalls"]
+
+
+def test_peer_frozen_after_its_lookup_is_cut_before_the_deadline(
+    fake_group: FakeGroup, fake: FakePeer
+) -> None:
+    """The lookup answers, then OpenFetch never does (a peer frozen between
+    the two): the load gives up after fetch_stall_s, a miss."""
+    keys, _ = give_fake(fake, 6)
+    fake.configure("good", open_delay_s=30)
+    asked = fake.opens_asked
+    with StoreClient(str(fake_group.b.socket)) as b:
+        before = counters(b)
+        deadline_s = 8.0
+        t0 = time.monotonic()
+        res = b.load(L, keys, include_peers=True, deadline_s=deadline_s)
+        took = time.monotonic() - t0
+        assert fake.opens_asked > asked, "the load never asked the peer to open a transfer"
+        assert STALL_S <= took < STALL_S + SLACK_S, f"load took {took:.2f} s"
+        assert res.num_blocks == 0
+        after = counters(b)
+        assert after["peer_fetch_stalls"] - before["peer_fetch_stalls"] == 1
+        assert after["peer_fetch_timeouts"] == before["peer_fetch_timeouts"]
+        assert cli_pins(fake_group.b) == [0]
+        assert_b_still_serves(b)
 
 
 def test_slow_push_target_does_not_hold_back_other_pushes(

@@ -70,6 +70,7 @@ PULL_BLOCKS = 512  # 4 MiB
 SENDER_TTL_S = 4.0  # B's fetch_timeout_s: how long its sender may block on a dead link
 LOOKUP_TIMEOUT_S = 3.0  # peer_lookup_timeout_s of the sidecars
 SLACK_S = 1.5  # a call may end this long after its deadline (its last local calls)
+STALL_S = 2.0  # fetch_stall_s: a transfer on which nothing moves this long is cut
 B_DRAM_BLOCKS = 1024  # 8 MiB
 DELAY_S = 0.1  # added one-way latency of the delay line (a round trip pays it twice)
 
@@ -106,6 +107,7 @@ def _sidecar(
         "--set", f"peer_host={me}", "--set", f"peer_port={port}",
         "--set", f"peers={peer}", "--set", f"peer_token={TOKEN}",
         "--set", f"peer_lookup_timeout_s={LOOKUP_TIMEOUT_S}", "--set", f"fetch_timeout_s={ttl_s}",
+        "--set", f"fetch_stall_s={STALL_S}",
         "--set", "compression=none", "--set", "min_tokens=1000000", *extra,
         dram=dram, nvme="64MiB", netns=ns, settings=SETTINGS,
     )  # fmt: skip
@@ -310,17 +312,22 @@ def test_link_down_mid_transfer(pair: Pair) -> None:
     outcome: dict[str, tuple[int, float, int]] = {}
     try:
         with StoreClient(str(pair.a.socket), name="engine-a") as client:
-            deadline_s = 4.0
+            # Far beyond the link's going down: the stall limit, not the
+            # deadline, ends the transfer.
+            deadline_s, down_at_s = 8.0, 0.8
+            before = pair.a.counters()
             t = threading.Thread(
                 target=lambda: outcome.setdefault("pull", timed_pull(client, keys, deadline_s))
             )
             t.start()
-            time.sleep(0.8)
+            time.sleep(down_at_s)
             pair.net.set_up(1, False)
             t.join(deadline_s + 10)
             assert not t.is_alive(), "the load did not return"
             got, elapsed, wrong = outcome["pull"]
-            assert elapsed <= deadline_s + SLACK_S, f"load took {elapsed:.2f} s"
+            assert elapsed <= down_at_s + STALL_S + SLACK_S, f"load took {elapsed:.2f} s"
+            after = pair.a.counters()
+            assert after["peer_fetch_stalls"] - before.get("peer_fetch_stalls", 0) == 1
             assert wrong == 0 and got < PULL_BLOCKS
             assert_a_clean(pair.a, client, keys, got)
             t0 = time.monotonic()
@@ -335,8 +342,9 @@ def test_link_down_mid_transfer(pair: Pair) -> None:
     full, full_s = recover(pair.a, keys)
     assert full == PULL_BLOCKS
     print(
-        f"\nlink down mid-transfer: pull with deadline {deadline_s} s returned {got} verified "
-        f"blocks in {elapsed:.2f} s; lookup across the dead link {lookup_s:.2f} s; after the "
+        f"\nlink down mid-transfer: pull with deadline {deadline_s} s, link down at "
+        f"{down_at_s} s, returned {got} verified blocks in {elapsed:.2f} s (cut by the "
+        f"{STALL_S} s stall limit); lookup across the dead link {lookup_s:.2f} s; after the "
         f"link came back: {full} blocks in {full_s:.2f} s"
     )
 

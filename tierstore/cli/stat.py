@@ -138,7 +138,7 @@ def format_stat(stat: dict[str, Any]) -> str:
     if "peer_lookups" in c:
         lines.append(
             "peers     lookups {} (errors {}, timeouts {})  fetched {} blocks, {} "
-            "(errors {}, timeouts {}, bad blocks {})".format(
+            "(errors {}, timeouts {}, stalls {}, bad blocks {})".format(
                 c.get("peer_lookups", 0),
                 c.get("peer_lookup_errors", 0),
                 c.get("peer_lookup_timeouts", 0),
@@ -146,6 +146,7 @@ def format_stat(stat: dict[str, Any]) -> str:
                 _human_bytes(c.get("peer_fetched_bytes", 0)),
                 c.get("peer_fetch_errors", 0),
                 c.get("peer_fetch_timeouts", 0),
+                c.get("peer_fetch_stalls", 0),
                 c.get("peer_fetch_verify_failures", 0),
             )
         )

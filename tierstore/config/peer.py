@@ -43,6 +43,7 @@ class PeerConfig:
     replica_bytes: int = 4 << 30  # space given to other hosts' replicas (alias: max_gib, in GiB)
     peer_lookup_timeout_s: float = 0.5  # deadline of a lookup across the group
     fetch_timeout_s: float = 30.0  # deadline of one transfer
+    fetch_stall_s: float = 2.0  # a transfer on which nothing moves this long is cut (0: off)
     slow_pull_s: float = 1.0  # a pull taking longer is counted and logged with its breakdown
     replicate_timeout_s: float = 20.0  # deadline of one replica push (below client timeouts)
     compression: str = "auto"  # auto | none | zstd: transfers over byte-split zstd
@@ -77,7 +78,7 @@ class PeerConfig:
             raise ConfigError(
                 f"engine_events must be tcp://host:port (ZMQ), got {self.engine_events!r}"
             )
-        at_least(self, 0, "replica_bytes")
+        at_least(self, 0, "replica_bytes", "fetch_stall_s")
         if self.replicate_policy not in ("headroom", "kv_share"):
             raise ConfigError(
                 f"replicate_policy must be headroom or kv_share, got {self.replicate_policy!r}"

@@ -4,6 +4,9 @@ its engines registered.
 
 Every call carries the group token and a deadline. Used by the sidecar's peer
 tier and by the router (which needs no store: this module imports none).
+The ways a transfer ends early (``TransferError``, ``TransferStalled``) and
+the wait of each of its steps (``step_timeout_s``: the deadline, or the stall
+limit where sooner) are here too, shared with the data channel.
 Thread-safe: gRPC stubs are; ``background_transfers`` is a statistic.
 """
 
@@ -49,6 +52,23 @@ KEEPALIVE_SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
 ]
 MAX_MESSAGE_BYTES = 4 << 20
+
+
+class TransferError(Exception):
+    """A transfer ended early; the message says why (counted by the caller)."""
+
+
+class TransferStalled(TransferError):
+    """No byte moved (or no answer came) for the transfer's ``stall_s``,
+    before its deadline: the peer or the link stalled."""
+
+
+def step_timeout_s(deadline: float, stall_s: float) -> float:
+    """How long one step of a transfer (a call, a socket read or write) may
+    block: what is left of the ``deadline`` (``time.monotonic()``), or
+    ``stall_s`` where that is shorter (> 0: the stall limit is on)."""
+    remaining = max(deadline - time.monotonic(), 0.001)
+    return min(remaining, stall_s) if stall_s > 0 else remaining
 
 
 def rpc_text(e: BaseException) -> str:
@@ -125,11 +145,20 @@ class PeerClient:
         return self._stub.WatchBlocks(req, timeout=timeout_s, metadata=self._metadata)
 
     def open_fetch(
-        self, layout: KVLayout, keys: Sequence[BlockKey], deadline: float, compress: bool
+        self,
+        layout: KVLayout,
+        keys: Sequence[BlockKey],
+        deadline: float,
+        compress: bool,
+        stall_s: float = 0.0,
     ) -> tuple[int, socket.socket | None]:
         """Open a transfer of the prefix of ``keys`` the peer holds: the number
         of blocks it will send and the data connection, ticket already sent
-        (None when it holds none). The caller reads the frames and closes it."""
+        (None when it holds none). The caller reads the frames and closes it.
+        ``stall_s`` > 0: the OpenFetch answer and the connection each get at
+        most that long (raises ``TransferStalled`` when that, not the
+        deadline, ran out): a peer frozen after its lookup answered is cut
+        then, not at the deadline."""
         req = peer_pb2.OpenFetchRequest(
             layout=layout_to_proto(layout),
             keys=pack_keys(keys),
@@ -137,15 +166,26 @@ class PeerClient:
             if compress
             else peer_pb2.COMPRESSION_NONE,
         )
-        reply = self._stub.OpenFetch(
-            req, timeout=max(deadline - time.monotonic(), 0.001), metadata=self._metadata
-        )
+        try:
+            reply = self._stub.OpenFetch(
+                req, timeout=step_timeout_s(deadline, stall_s), metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            timed_out = hasattr(e, "code") and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if timed_out and time.monotonic() < deadline:
+                raise TransferStalled(f"stalled: OpenFetch unanswered for {stall_s:g} s") from e
+            raise
         if reply.num_blocks == 0:
             return 0, None
         host, _, port = reply.data_address.rpartition(":")
-        conn = socket.create_connection(
-            (host, int(port)), timeout=max(deadline - time.monotonic(), 0.001)
-        )
+        try:
+            conn = socket.create_connection(
+                (host, int(port)), timeout=step_timeout_s(deadline, stall_s)
+            )
+        except TimeoutError as e:
+            if time.monotonic() < deadline:
+                raise TransferStalled(f"stalled: no data connection in {stall_s:g} s") from e
+            raise
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if reply.tls:

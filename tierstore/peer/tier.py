@@ -31,7 +31,7 @@ from tierstore.counters import Counters
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.membership.members import MemberSet, StaticMembers
 from tierstore.peer import codec
-from tierstore.peer.client import PeerClient, rpc_text
+from tierstore.peer.client import PeerClient, TransferStalled, rpc_text
 from tierstore.peer.clients import PeerClients
 from tierstore.peer.data import ReceiveResult, receive_blocks
 from tierstore.peer.replicator import Push, Replicator
@@ -60,7 +60,8 @@ PEER_COUNTERS = (
     "fetched_blocks",
     "fetched_bytes",  # payload bytes on the wire (compressed where it was)
     "fetch_errors",  # transfers that failed before their deadline: refused, reset, bad stream
-    "fetch_timeouts",  # transfers cut by their deadline: a peer or link that stalled
+    "fetch_timeouts",  # transfers cut by their deadline: a peer or link too slow for it
+    "fetch_stalls",  # transfers cut before it, nothing having moved for fetch_stall_s
     "fetch_verify_failures",
     "pulls",  # pulls of a prefix this host lacked (an engine's load, a pre-positioning)
     "pulls_joined",  # pulls that waited for blocks another pull or a replica import was fetching
@@ -280,6 +281,10 @@ class PeerTier:
         self.counters.add_many({"fetches": 1, "fetches_compressed": int(compress)})
         try:
             result = self._receive(peer, layout, keys, deadline, compress, claim)
+        except TransferStalled as e:  # OpenFetch unanswered, or no data connection
+            self.counters.add("fetch_stalls")
+            _faults.warning(f"stall:{peer.address}", "fetch from %s cut: %s", peer.address, e)
+            return ReceiveResult(error=str(e), stalled=True)
         except (grpc.RpcError, OSError) as e:
             self.counters.add("fetch_timeouts" if _timed_out(e, deadline) else "fetch_errors")
             _faults.warning(
@@ -293,7 +298,12 @@ class PeerTier:
             _faults.warning(
                 f"verify:{peer.address}", "fetch from %s: a block failed verification", peer.address
             )
-        if result.error:
+        if result.stalled:
+            self.counters.add("fetch_stalls")
+            _faults.warning(
+                f"stall:{peer.address}", "fetch from %s cut: %s", peer.address, result.error
+            )
+        elif result.error:
             self.counters.add("fetch_timeouts" if _timed_out(None, deadline) else "fetch_errors")
             _faults.warning(
                 f"early:{peer.address}", "fetch from %s ended early: %s", peer.address, result.error
@@ -312,12 +322,13 @@ class PeerTier:
         """Open a transfer from ``peer`` and read it into the store (verified);
         large raw transfers measure the link to it."""
         started = time.monotonic()
-        num_blocks, conn = peer.open_fetch(layout, keys, deadline, compress)
+        stall_s = self.cfg.fetch_stall_s
+        num_blocks, conn = peer.open_fetch(layout, keys, deadline, compress, stall_s)
         if conn is None:
             return ReceiveResult()
         try:
             result = receive_blocks(
-                conn, self.store, layout, keys[:num_blocks], deadline, on_commit=claim.land
+                conn, self.store, layout, keys[:num_blocks], deadline, claim.land, stall_s
             )
         finally:
             conn.close()
