@@ -21,6 +21,10 @@ is reported but not counted:
 - ``tierstore``: ``TierstoreStorage`` on the v1 path (``interface_v1``: the
   backend copies between the host pool and the sidecar's arena), against a
   local sidecar (DRAM, NVMe behind it);
+- ``tierstore_grpc``: the same with the client's fast path off
+  (``fast_path: false``: every sidecar call over gRPC), the A/B of the fast
+  path's calls (``tierstore_fast_vs_grpc_backup`` / ``_prefetch``: the
+  medians' ratio; ``fast_vs_grpc_pairs``: each round's pair);
 - ``tierstore_generic``: the same on SGLang's generic path (flat pages);
 - ``file``: SGLang's own ``HiCacheFile`` (one file per page, its default
   L3), in a directory on this machine's disk (``--file-dir``);
@@ -85,7 +89,7 @@ from tierstore.client import StoreClient
 from tierstore.memory.memcopy import RUNS_LOOP
 
 MODEL = {"layers": 32, "heads": 8, "head_dim": 128, "dtype": "bfloat16"}
-BACKENDS = ("tierstore", "tierstore_generic", "file", "file_cold", "file_shm")
+BACKENDS = ("tierstore", "tierstore_grpc", "tierstore_generic", "file", "file_cold", "file_shm")
 DEFAULT_VENV = Path.home() / ".cache" / "tierstore-bench" / "sglang-venv"
 
 
@@ -115,11 +119,16 @@ def specs(args: argparse.Namespace, sock: Path, file_dirs: dict[str, str]) -> li
             }
             if args.keep_warm_s > 0:
                 spec["keep_warm_s"] = args.keep_warm_s
+            settings: dict[str, Any] = {}
             if args.copy_threads:
-                spec["settings"] = {"copy_threads": args.copy_threads}
+                settings["copy_threads"] = args.copy_threads
+            if backend == "tierstore_grpc":
+                settings["fast_path"] = False
+            if settings:
+                spec["settings"] = settings
             if backend.startswith("tierstore"):
                 spec.update(backend="tierstore", socket_path=str(sock),
-                            interface_v1=backend == "tierstore")  # fmt: skip
+                            interface_v1=backend != "tierstore_generic")  # fmt: skip
             else:
                 spec.update(backend="file", file_dir=file_dirs[backend],
                             cold_files=backend == "file_cold")  # fmt: skip
@@ -244,6 +253,14 @@ def summarize(
     out["tierstore_vs_file_shm_prefetch"] = ratio(
         med["tierstore"]["prefetch"], med["file_shm"]["prefetch"]
     )
+    for step in ("backup", "prefetch"):
+        out[f"tierstore_fast_vs_grpc_{step}"] = ratio(
+            med["tierstore"][step], med["tierstore_grpc"][step]
+        )
+    out["fast_vs_grpc_pairs"] = {
+        step: [ratio(f, g) for f, g in zip(per["tierstore"][step], per["tierstore_grpc"][step])]
+        for step in ("backup", "prefetch")
+    }
     out["tierstore_backup_vs_memcpy"] = ratio(med["tierstore"]["backup"], mc)
     out["tierstore_prefetch_vs_memcpy"] = ratio(med["tierstore"]["prefetch"], mc)
     if aged:

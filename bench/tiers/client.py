@@ -22,7 +22,14 @@ prints one JSON object:
 - ``lookup_p50_us`` / ``lookup_p99_us``: ``client.lookup`` of 200 held keys
   over the socket (target p50 <= 300 us), next to ``rpc_floor_p50_us``, the
   round trip of the gRPC health check on the same socket (the least any
-  control call can cost).
+  gRPC call can cost);
+- ``calls_p50_us``: the hot calls of a backup and a load (reserve, commit,
+  acquire, release) of ``CALL_KEYS`` keys each, p50 per call over the fast
+  path (``fast``) and over gRPC (``grpc``: the same client with its fast
+  calls off), in ``CALL_ROUNDS`` interleaved rounds (A B A B) of
+  ``CALL_ITERS`` backups and loads each; ``calls_fast_vs_grpc`` the ratio
+  per call. Small blocks (8 KiB) here: what the call costs, not the bytes
+  the sidecar hashes after a commit.
 
 The machines this runs on are shared and drift within a run, so memcpy,
 store and load are measured in three interleaved rounds (``rounds`` in the
@@ -59,6 +66,10 @@ LOOKUP_KEYS = 200
 LOOKUP_WARMUP_CALLS = 200
 LOOKUP_CALLS = 2000
 TARGETS = {"store_vs_memcpy": 0.5, "load_vs_memcpy": 0.5, "lookup_p50_us": 300.0}
+CALL_LAYOUT = KVLayout("bench-calls", 1, 1, 128, "bfloat16", 16)  # 8 KiB blocks
+CALL_KEYS = 32  # keys per call: a 2k-token prompt in 64-token pages
+CALL_ROUNDS = 6
+CALL_ITERS = 150  # backups (reserve, commit) and loads (acquire, release) per round
 
 
 def aligned_blocks(num_blocks: int) -> torch.Tensor:
@@ -144,6 +155,7 @@ def measure(sock: Path, total_bytes: int, lookup_calls: int) -> dict[str, Any]:
         health = health_pb2_grpc.HealthStub(client._channel)
         check = health_pb2.HealthCheckRequest()
         floor_p50, _ = latencies_us(lambda: health.Check(check), lookup_calls, LOOKUP_WARMUP_CALLS)
+        calls = call_latencies(client)
     finally:
         client.close()
     best = {name: max(r[name] for r in rounds) for name in rounds[0]}
@@ -153,6 +165,54 @@ def measure(sock: Path, total_bytes: int, lookup_calls: int) -> dict[str, Any]:
         "lookup_p50_us": round(lookup_p50, 1),
         "lookup_p99_us": round(lookup_p99, 1),
         "rpc_floor_p50_us": round(floor_p50, 1),
+        "calls_p50_us": calls,
+    }
+
+
+def call_latencies(client: StoreClient) -> dict[str, dict[str, float]]:
+    """p50 microseconds of reserve, commit, acquire and release of
+    ``CALL_KEYS`` fresh keys, over the fast path and over gRPC, rounds
+    interleaved; every load must pin every key it stored."""
+    fast_calls = client._control.fast_calls
+    if fast_calls is None:
+        raise RuntimeError("the client has no fast path to the sidecar")
+    times: dict[str, dict[str, list[float]]] = {
+        path: {op: [] for op in ("reserve", "commit", "acquire", "release")}
+        for path in ("fast", "grpc")
+    }
+    base = 50_000_000
+    try:
+        for r in range(2 * CALL_ROUNDS):
+            path = ("fast", "grpc")[r % 2]
+            client._control.fast_calls = fast_calls if path == "fast" else None
+            for i in range(CALL_ITERS):
+                base += CALL_KEYS * CALL_LAYOUT.block_tokens
+                keys = chain_keys(
+                    CALL_LAYOUT, np.arange(CALL_KEYS * CALL_LAYOUT.block_tokens) + base
+                )
+                t0 = time.perf_counter()
+                reserved = client.reserve(CALL_LAYOUT, keys)
+                t1 = time.perf_counter()
+                done = client.commit(CALL_LAYOUT, list(reserved.keys))
+                t2 = time.perf_counter()
+                pinned = client.acquire(CALL_LAYOUT, keys)
+                t3 = time.perf_counter()
+                pinned.release()
+                t4 = time.perf_counter()
+                if not all(done) or len(pinned.offsets) != CALL_KEYS:
+                    raise RuntimeError(f"round {r}: {sum(done)} committed, "
+                                       f"{len(pinned.offsets)} pinned of {CALL_KEYS}")  # fmt: skip
+                if i >= 10:  # the first calls of a round warm the path up
+                    t = times[path]
+                    t["reserve"].append(t1 - t0)
+                    t["commit"].append(t2 - t1)
+                    t["acquire"].append(t3 - t2)
+                    t["release"].append(t4 - t3)
+    finally:
+        client._control.fast_calls = fast_calls
+    return {
+        path: {op: round(float(np.median(v)) * 1e6, 1) for op, v in ops.items()}
+        for path, ops in times.items()
     }
 
 
@@ -166,8 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     # SIGTERM unwinds like Ctrl-C, so the sidecar is stopped and its files removed.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     total = (64 if args.quick else 256) << 20
-    # Every round's blocks stay in DRAM, plus one segment of slack.
-    dram_bytes = ROUNDS * total + (64 << 20)
+    # Every round's blocks stay in DRAM, and the call rounds' blocks, plus one segment of slack.
+    call_bytes = 2 * CALL_ROUNDS * CALL_ITERS * CALL_KEYS * CALL_LAYOUT.block_bytes
+    dram_bytes = ROUNDS * total + call_bytes + (64 << 20)
     with (
         tempfile.TemporaryDirectory(prefix="tierstore-bench-") as tmp,
         bench_sidecar(Path(tmp), dram_bytes) as sock,
@@ -200,6 +261,12 @@ def main(argv: list[str] | None = None) -> None:
         "lookup_p50_us": figures["lookup_p50_us"],
         "lookup_p99_us": figures["lookup_p99_us"],
         "rpc_floor_p50_us": figures["rpc_floor_p50_us"],
+        "call_keys": CALL_KEYS,
+        "calls_p50_us": figures["calls_p50_us"],
+        "calls_fast_vs_grpc": {
+            op: ratio(figures["calls_p50_us"]["fast"][op], figures["calls_p50_us"]["grpc"][op])
+            for op in figures["calls_p50_us"]["fast"]
+        },
         "rounds": figures["rounds"],
         "targets": TARGETS,
     }

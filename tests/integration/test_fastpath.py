@@ -1,21 +1,32 @@
-"""The lookup fast path: same answers as gRPC, hostile frames refused, fallback."""
+"""The fast path: lookups and the hot calls answer as gRPC does, hostile
+frames are refused, and a client falls back to gRPC."""
 
 from __future__ import annotations
 
 import random
 import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
 from harness.sidecar import SidecarProcess
 from tierstore.client import StoreClient
-from tierstore.client.fastpath import FastLookupClient
-from tierstore.errors import LayoutError
+from tierstore.client.fastpath import FastCalls, FastLookupClient
+from tierstore.errors import LayoutError, TierstoreError
 from tierstore.fastwire import (
+    CALL_CODES,
+    CALL_CONNECTIONS,
+    CALL_METHODS,
+    CALL_REP,
+    CALL_REQ,
     LOOKUP_REP,
     LOOKUP_REQ,
+    MAGIC_CALL,
+    MAGIC_CALL_REP,
     MAGIC_REP,
     MAGIC_REQ,
     STATUS_BAD_REQUEST,
@@ -25,6 +36,7 @@ from tierstore.fastwire import (
 )
 from tierstore.keys import chain_keys
 from tierstore.tiers import TierName
+from tierstore.v1 import local_pb2
 
 from ..conftest import SMALL_LAYOUT, SidecarFactory
 
@@ -156,3 +168,153 @@ def test_frame_layout_is_stable() -> None:
     reply = LOOKUP_REP.pack(MAGIC_REP, STATUS_OK, 2) + bytes([2, 3])
     assert reply == b"TSR1" + b"\x00" + b"\x02\x00\x00\x00" + b"\x02\x03"
     assert LOOKUP_REP.unpack(b"TSR1\x02\x05\x00\x00\x00") == (b"TSR1", 2, 5)
+
+
+# -- the hot calls over the fast path -----------------------------------------------------
+
+
+def _call(s: socket.socket, method: int, body: bytes) -> tuple[int, bytes]:
+    """One raw call frame and its reply (status, body)."""
+    s.sendall(CALL_REQ.pack(MAGIC_CALL, method, len(body)) + body)
+    head = b""
+    while len(head) < CALL_REP.size:
+        chunk = s.recv(CALL_REP.size - len(head))
+        assert chunk, "connection closed without a reply"
+        head += chunk
+    magic, status, length = CALL_REP.unpack(head)
+    assert magic == MAGIC_CALL_REP
+    body = b""
+    while len(body) < length:
+        body += s.recv(length - len(body))
+    return status, body
+
+
+def _blocks(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, SMALL_LAYOUT.block_bytes), dtype=torch.uint8, generator=g)
+
+
+def test_hot_calls_go_over_the_fast_path_and_do_what_grpc_does(sidecar: SidecarProcess) -> None:
+    keys = chain_keys(SMALL_LAYOUT, np.arange(8 * 6) + 7_000_000)
+    data = _blocks(6, 1)
+    with StoreClient(str(sidecar.socket)) as client:
+        assert client._control.fast_calls is not None
+        before = client.stat().counters["fast_calls"]
+        assert all(client.store(SMALL_LAYOUT, keys, data))  # reserve, commit
+        res = client.load(SMALL_LAYOUT, keys)  # acquire, release
+        assert res.num_blocks == 6 and torch.equal(res.blocks[:6], data)
+        with client.acquire(SMALL_LAYOUT, keys[:2]) as pinned:
+            assert len(pinned.offsets) == 2
+        reserved = client.reserve(SMALL_LAYOUT, chain_keys(SMALL_LAYOUT, np.arange(8) + 8_000_000))
+        assert client.abort(SMALL_LAYOUT, list(reserved.keys)) == 1
+        made = client.stat().counters["fast_calls"] - before
+        assert made >= 7, f"only {made} calls went over the fast path"
+        assert sum(c.pins for c in client.stat().clients) == 0  # the releases were made
+        # Its errors are gRPC's, word for word: the same handler answered.
+        strangers = chain_keys(SMALL_LAYOUT, np.arange(8) + 9_000_000)
+        with pytest.raises(TierstoreError) as fast_error:
+            client.commit(SMALL_LAYOUT, strangers)
+        fast_calls, client._control.fast_calls = client._control.fast_calls, None
+        try:
+            with pytest.raises(TierstoreError) as grpc_error:
+                client.commit(SMALL_LAYOUT, strangers)
+            # The control: with the fast path off, the counter stands still.
+            counted = client.stat().counters["fast_calls"]
+            assert client.load(SMALL_LAYOUT, keys).num_blocks == 6
+            assert client.stat().counters["fast_calls"] == counted
+        finally:
+            client._control.fast_calls = fast_calls
+        assert str(fast_error.value) == str(grpc_error.value)
+        assert "not reserved by client" in str(fast_error.value)
+
+
+def test_calls_from_more_threads_than_connections(sidecar: SidecarProcess) -> None:
+    """Callers past CALL_CONNECTIONS at once go over gRPC; every block is right."""
+    threads, per_thread = 3 * CALL_CONNECTIONS, 10
+    with StoreClient(str(sidecar.socket)) as client:
+        before = client.stat().counters["fast_calls"]
+
+        def work(t: int) -> int:
+            ok = 0
+            for i in range(per_thread):
+                keys = chain_keys(SMALL_LAYOUT, np.arange(8 * 2) + 10_000_000 + 1000 * (t * 50 + i))
+                data = _blocks(2, t * 50 + i)
+                assert all(client.store(SMALL_LAYOUT, keys, data))
+                res = client.load(SMALL_LAYOUT, keys)
+                ok += res.num_blocks == 2 and torch.equal(res.blocks[:2], data)
+            return ok
+
+        with ThreadPoolExecutor(threads) as pool:
+            assert sum(pool.map(work, range(threads))) == threads * per_thread
+        assert client.stat().counters["fast_calls"] - before > 0
+        assert sum(c.pins for c in client.stat().clients) == 0
+
+
+def test_hostile_call_frames(sidecar: SidecarProcess) -> None:
+    keys = chain_keys(SMALL_LAYOUT, np.arange(8 * 2) + 11_000_000)
+    data = _blocks(2, 2)
+    with StoreClient(str(sidecar.socket)) as client:
+        assert all(client.store(SMALL_LAYOUT, keys, data))
+        request = client._req(SMALL_LAYOUT, keys)
+    with _raw(sidecar) as s:
+        # An unknown method and a body that is no message: refused by name,
+        # the connection stays usable.
+        status, body = _call(s, 99, b"")
+        assert status == grpc.StatusCode.UNIMPLEMENTED.value[0] and b"method 99" in body
+        status, body = _call(s, CALL_CODES["Commit"], b"\xff\xff\xff")
+        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"Commit" in body
+        # A client id nobody attached: the handler's own refusal, nothing done.
+        forged = local_pb2.KeysRequest()
+        forged.CopyFrom(request)
+        forged.client_id = 987654321
+        status, body = _call(s, CALL_CODES["Acquire"], forged.SerializeToString())
+        assert status != STATUS_OK and b"987654321" in body
+        status, body = _call(s, CALL_CODES["Commit"], forged.SerializeToString())
+        assert status != STATUS_OK
+    with _raw(sidecar) as s:  # a length past the bound: refused, connection closed
+        s.sendall(CALL_REQ.pack(MAGIC_CALL, CALL_CODES["Reserve"], 1 << 30))
+        head = s.recv(CALL_REP.size)
+        assert CALL_REP.unpack(head)[1] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        s.recv(4096)  # the message
+        assert s.recv(1) == b""
+    with StoreClient(str(sidecar.socket)) as client:  # nothing stored was touched
+        res = client.load(SMALL_LAYOUT, keys)
+        assert res.num_blocks == 2 and torch.equal(res.blocks[:2], data)
+
+
+def test_a_lookup_only_fast_path_sends_calls_to_grpc(tmp_path) -> None:
+    """A sidecar whose fast path serves lookups only refuses the call frame
+    before running anything: the call is made over gRPC, and from then on."""
+    path = tmp_path / "old.lookup"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(4)
+    frames: list[bytes] = []
+
+    def old_sidecar() -> None:
+        conn, _ = server.accept()
+        with conn:
+            frames.append(conn.recv(4096))
+            msg = b"bad frame: magic b'TSC1'"
+            conn.sendall(LOOKUP_REP.pack(MAGIC_REP, STATUS_BAD_REQUEST, len(msg)) + msg)
+
+    t = threading.Thread(target=old_sidecar)
+    t.start()
+    calls = FastCalls(path, connect_timeout_s=5)
+    try:
+        request = local_pb2.KeysRequest(client_id=1, keys=b"\x01" * 32)
+        assert calls.call("Reserve", request, 5.0, "reserve") is None
+        assert not calls.served
+        assert calls.call("Reserve", request, 5.0, "reserve") is None  # no second try
+    finally:
+        t.join(10)
+        server.close()
+        calls.close()
+    assert len(frames) == 1 and frames[0].startswith(MAGIC_CALL)
+
+
+def test_call_frame_layout_is_stable() -> None:
+    request = CALL_REQ.pack(MAGIC_CALL, CALL_CODES["Acquire"], 5) + b"hello"
+    assert request == b"TSC1" + b"\x04" + b"\x05\x00\x00\x00" + b"hello"
+    assert CALL_REP.pack(MAGIC_CALL_REP, 5, 2) == b"TSD1" + b"\x05" + b"\x02\x00\x00\x00"
+    assert CALL_METHODS == {1: "Reserve", 2: "Commit", 3: "Abort", 4: "Acquire", 5: "Release"}

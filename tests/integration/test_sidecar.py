@@ -21,6 +21,7 @@ from harness import REPO
 from harness.sidecar import SidecarProcess, start_sidecar
 from tierstore.cli.ports import free_port
 from tierstore.client import PrefetchResult, StoreClient
+from tierstore.client.results import SidecarUnavailable
 from tierstore.keys import BlockKey, KVLayout, chain_keys
 from tierstore.tiers import TierName
 
@@ -91,19 +92,25 @@ def test_round_trip_from_dram_and_nvme(sidecar: SidecarProcess) -> None:
         assert stat.counters["promotions"] >= 50 and stat.counters["spilled_blocks"] >= 172
 
 
+@pytest.mark.parametrize("path", ["fast", "grpc"])
 def test_a_loads_release_comes_before_the_clients_next_call(
-    sidecar: SidecarProcess, caplog: pytest.LogCaptureFixture
+    sidecar: SidecarProcess, caplog: pytest.LogCaptureFixture, path: str
 ) -> None:
-    """A load sends its release without waiting for the reply; the client's
-    next call waits for it, so that call sees the pins gone. A release that
-    fails is counted and logged (its pins go when the client detaches)."""
+    """A load's release is made before the client's next call: over the
+    fast path, one round trip; over gRPC, sent without waiting for the
+    reply, which the next call waits for. Either way that call sees the pins
+    gone. A release that fails is counted and logged (its pins go when the
+    client detaches)."""
     keys, data = keys_for(20), blocks(20)
     with StoreClient(str(sidecar.socket)) as client:
+        if path == "grpc":
+            client._control.fast_calls = None
         assert all(client.store(SMALL_LAYOUT, keys, data))
         for _ in range(3):
             assert torch.equal(client.load(SMALL_LAYOUT, keys).blocks, data)
             assert sum(c.pins for c in client.stat().clients) == 0
         real = client._stub.Release
+        fast = client._control.fast_calls
 
         class Lost(grpc.RpcError, grpc.Future):  # a release the sidecar never saw
             def result(self, timeout=None):
@@ -119,9 +126,18 @@ def test_a_loads_release_comes_before_the_clients_next_call(
             def future(self, request, timeout):
                 return Lost()
 
+        class FailingFastRelease:  # the other calls still made
+            def call(self, method, request, timeout_s, what):
+                if method != "Release":
+                    return fast.call(method, request, timeout_s, what)
+                raise SidecarUnavailable(f"{what}: sidecar unavailable: lost")
+
         client._stub.Release = FailingRelease()
+        if fast is not None:
+            client._control.fast_calls = FailingFastRelease()  # type: ignore[assignment]
         assert client.load(SMALL_LAYOUT, keys).num_blocks == 20
         client._stub.Release = real
+        client._control.fast_calls = fast
         assert sum(c.pins for c in client.stat().clients) == 20  # left until detach
         assert client.release_errors == 1
         assert "release" in caplog.text and "pins kept" in caplog.text
@@ -151,6 +167,7 @@ def test_blocks_are_shared_between_client_processes(sidecar: SidecarProcess) -> 
     code = f"""
 import numpy as np, torch
 from tierstore.client import PrefetchResult, StoreClient
+from tierstore.client.results import SidecarUnavailable
 from tierstore.keys import KVLayout, chain_keys
 layout = KVLayout("test-model", 2, 2, 64, "float16", 8)
 keys = chain_keys(layout, np.arange(5000, 5000 + 80))

@@ -6,10 +6,12 @@ timeout) and attaches: the sidecar's hello names this client, its arena and
 its batch limit, and the Attach stream stays open for the client's life (its
 end is the detach, when the sidecar drops the client's pins). Then ``call``
 makes one control call within the call timeout (gRPC errors become
-tierstore's, see ``rpc_error``), ``request`` builds the keys request most
-calls take, and ``register`` tells the sidecar about a layout, once per
-layout. ``before_call`` (the owner's hook: waiting for releases in flight)
-runs before every call.
+tierstore's, see ``rpc_error``): over the fast path when ``fast_calls`` is
+set and serves it (reserve, commit, abort, acquire, release: the same
+handler in the sidecar, without gRPC's cost), else over gRPC. ``request``
+builds the keys request most calls take, and ``register`` tells the sidecar
+about a layout, once per layout. ``before_call`` (the owner's hook: waiting
+for releases in flight) runs before every call.
 
 Runs in the engine process; ``call`` may be used from several threads. A
 watcher thread ("tierstore-attach", started by ``watch``) follows the Attach
@@ -25,9 +27,11 @@ from typing import Any
 
 import grpc
 
+from tierstore.client.fastpath import FastCalls
 from tierstore.client.results import SidecarUnavailable, rpc_error
 from tierstore.config.server import ServerConfig
 from tierstore.errors import LayoutError
+from tierstore.fastwire import CALL_CODES
 from tierstore.keys import BlockKey, KVLayout
 from tierstore.v1 import common_pb2, local_pb2, local_pb2_grpc
 
@@ -95,6 +99,9 @@ class ControlChannel:
         self.layouts: dict[bytes, KVLayout] = {}
         self.connected = True
         self._watcher: threading.Thread | None = None
+        # The calls the fast path can make, by the stub's method (set by the owner).
+        self.fast_calls: FastCalls | None = None
+        self._fast_names = {getattr(self.stub, name): name for name in CALL_CODES}
 
     def watch(self) -> None:
         """Start following the Attach stream (once)."""
@@ -113,8 +120,14 @@ class ControlChannel:
         """``method(request)`` within the call timeout (plus ``extra_s``, for a
         call that waits on purpose), after ``before_call``."""
         self._before_call()
+        timeout_s = self.call_timeout_s + extra_s
+        fast, name = self.fast_calls, self._fast_names.get(method)
+        if fast is not None and name is not None:
+            reply = fast.call(name, request, timeout_s, what)
+            if reply is not None:
+                return reply
         try:
-            return method(request, timeout=self.call_timeout_s + extra_s)
+            return method(request, timeout=timeout_s)
         except grpc.RpcError as e:
             raise rpc_error(e, what) from e
 
@@ -152,6 +165,8 @@ class ControlChannel:
 
     def close(self) -> None:
         """Detach: end the Attach stream, close the channel, let the watcher go."""
+        if self.fast_calls is not None:
+            self.fast_calls.close()
         self._attach.cancel()
         self.channel.close()
         if self._watcher is not None:

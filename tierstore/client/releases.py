@@ -53,11 +53,12 @@ class PendingReleases:
             mine = [f for f in self._futures if id(f) in waited]
             self._futures = [f for f in self._futures if id(f) not in waited]
         failed = [e for e in (f.exception() for f in mine) if isinstance(e, grpc.RpcError)]
-        if not failed:
-            return
-        with self._lock:
-            self.errors += len(failed)
         for error in failed:
-            log.warning(
-                "release: %s (pins kept until this client detaches)", rpc_error(error, "release")
-            )
+            self.failed(rpc_error(error, "release"))
+
+    def failed(self, error: Exception) -> None:
+        """Count and log a release that failed (made over the fast path, or
+        taken off the list by ``settle``)."""
+        with self._lock:
+            self.errors += 1
+        log.warning("release: %s (pins kept until this client detaches)", error)

@@ -1,12 +1,16 @@
 """StoreClient: the engine's handle on its host's sidecar.
 
-Control calls go over the sidecar's Unix socket (gRPC), batched: one call
-per batch of keys, never one per block. Block bytes never cross the socket:
-the client maps the sidecar's shared arena and copies between it and device
-memory (with CUDA the arena is registered as pinned memory and copies run on
-a side stream). An optional HBM tier (``hbm_bytes``) keeps recently stored
-and loaded blocks in a device pool and writes its LRU victims down to the
-sidecar; a background thread reports the pool's counters to the sidecar
+Control calls go over the sidecar's Unix socket, batched: one call per
+batch of keys, never one per block. Lookups and the hot calls (reserve,
+commit, abort, acquire, release) take the sidecar's fast path, a plain Unix
+socket beside the gRPC one (``fast_path=False``: everything over gRPC); the
+rest, and everything when the fast path is missing, go over gRPC. Block
+bytes never cross the socket: the client maps the sidecar's shared arena
+and copies between it and device memory (with CUDA the arena is registered
+as pinned memory and copies run on a side stream). An optional HBM tier
+(``hbm_bytes``) keeps recently stored and loaded blocks in a device pool
+and writes its LRU victims down to the sidecar; a background thread reports
+the pool's counters to the sidecar
 every ``tier_report_s`` (``report_tiers``), so that ``tierstore stat`` shows
 the host's HBM tier too.
 
@@ -38,7 +42,7 @@ from tierstore.client.arena_reader import ArenaReader
 from tierstore.client.arena_writer import ArenaWriter
 from tierstore.client.control import ControlChannel
 from tierstore.client.copier import ArenaCopier, as_block_rows
-from tierstore.client.fastpath import FastLookupClient
+from tierstore.client.fastpath import FastCalls, FastLookupClient
 from tierstore.client.hbm import HbmTier
 from tierstore.client.hbm_writer import HbmWriter
 from tierstore.client.prefetch import Prefetcher
@@ -73,6 +77,7 @@ class StoreClient:
         call_timeout_s: float = 60.0,
         tier_report_s: float = 2.0,
         hbm_evict_batch_blocks: int = 64,
+        fast_path: bool = True,
     ) -> None:
         if not tier_report_s > 0:
             raise ValueError(f"tier_report_s must be > 0, got {tier_report_s}")
@@ -96,7 +101,9 @@ class StoreClient:
         # sidecar would otherwise keep this client).
         with contextlib.ExitStack() as undo:
             undo.callback(self._control.close)
-            self._start(undo, hbm_bytes, call_timeout_s, tier_report_s, hbm_evict_batch_blocks)
+            self._start(
+                undo, hbm_bytes, call_timeout_s, tier_report_s, hbm_evict_batch_blocks, fast_path
+            )
             undo.pop_all()
 
     def _start(
@@ -106,6 +113,7 @@ class StoreClient:
         call_timeout_s: float,
         tier_report_s: float,
         hbm_evict_batch_blocks: int,
+        fast_path: bool,
     ) -> None:
         """Everything after the attach; each step registers its undo."""
         self.arena = Arena.attach(self._control.arena_path, self._control.arena_bytes)
@@ -119,7 +127,11 @@ class StoreClient:
             undo.callback(self.hbm.close)
         fast: FastLookupClient | None = None
         with contextlib.suppress(OSError):  # an older sidecar has none: gRPC serves lookups
-            fast = FastLookupClient(fast_socket_path(self.socket_path), call_timeout_s)
+            if fast_path:
+                fast = FastLookupClient(fast_socket_path(self.socket_path), call_timeout_s)
+        if fast is not None:  # the hot calls too (``ControlChannel.call``)
+            self._control.fast_calls = FastCalls(fast_socket_path(self.socket_path), call_timeout_s)
+            undo.callback(self._control.fast_calls.close)
         self._reader = ArenaReader(
             self._control, self.arena, self.arena_tensor, self._copier, self._releases, fast
         )

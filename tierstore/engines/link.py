@@ -36,6 +36,8 @@ class LinkSettings(Protocol):
     def call_timeout_s(self) -> float: ...
     @property
     def reconnect_s(self) -> float: ...
+    @property
+    def fast_path(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -47,10 +49,11 @@ class LinkCounters:
 
 class StoreLink:
     """See the module docstring. ``settings`` has ``socket_path`` ("" for
-    the config's default), ``connect_timeout_s``, ``call_timeout_s`` and
-    ``reconnect_s``; ``name`` is the client's name in ``tierstore stat``;
-    ``layouts`` are registered on every connect, so that the sidecar names
-    them (to a gateway keying prompts) before the engine's first request."""
+    the config's default), ``connect_timeout_s``, ``call_timeout_s``,
+    ``reconnect_s`` and ``fast_path`` (``StoreClient``'s); ``name`` is the
+    client's name in ``tierstore stat``; ``layouts`` are registered on every
+    connect, so that the sidecar names them (to a gateway keying prompts)
+    before the engine's first request."""
 
     def __init__(self, settings: LinkSettings, name: str, layouts: Sequence[KVLayout] = ()) -> None:
         self.settings = settings
@@ -78,6 +81,7 @@ class StoreLink:
                 name=self.name,
                 connect_timeout_s=self.settings.connect_timeout_s,
                 call_timeout_s=self.settings.call_timeout_s,
+                fast_path=self.settings.fast_path,
             )
         except (TierstoreError, OSError) as e:
             self.counters.connect_failures += 1

@@ -2,7 +2,8 @@
 
 Provides ``Sidecar``, which owns one TieredStore and serves the local gRPC
 service (``tierstore.sidecar.service.LocalServicer``, engine <-> sidecar) on a Unix
-socket, with the standard gRPC health service, the lookup fast path, the
+socket, with the standard gRPC health service, the fast path (lookups and the
+hot calls, ``tierstore.sidecar.fastpath``), the
 peer service when ``peer_port`` is set, and a Prometheus endpoint; and
 ``serve``, which runs one until SIGTERM or SIGINT.
 
@@ -31,7 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tierstore import __version__
 from tierstore.config import Config
 from tierstore.errors import TierstoreError
-from tierstore.fastwire import fast_socket_path
+from tierstore.fastwire import CALL_CONNECTIONS, fast_socket_path
 from tierstore.notify import notify
 from tierstore.peer.service import PeerServer
 from tierstore.sidecar.fastpath import FastLookupServer
@@ -120,7 +121,7 @@ class Sidecar:
             os.chmod(self.socket_path, 0o600)
             self.fast_lookup = FastLookupServer(
                 fast_socket_path(self.socket_path), self.store, cfg.max_batch_keys,
-                cfg.max_clients, self.workers,
+                cfg.max_clients * (1 + CALL_CONNECTIONS), self.workers, self.servicer,
             )  # fmt: skip
             self.servicer.fast_lookup = self.fast_lookup
             if cfg.metrics_port:
@@ -159,7 +160,10 @@ class Sidecar:
         if self.peer_server is not None:
             self.peer_server.leave()  # out of the group before the grace period, not after
         self.health.enter_graceful_shutdown()
-        self.grpc_server.stop(self.config.server.shutdown_grace_s).wait()
+        stopped = self.grpc_server.stop(self.config.server.shutdown_grace_s)
+        if self.fast_lookup is not None:  # its calls end with gRPC's, in the same grace
+            self.fast_lookup.close(self.config.server.shutdown_grace_s)
+        stopped.wait()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
         self._close_store(drain=True)

@@ -59,6 +59,7 @@ def stat_reply(source: StatSource) -> local_pb2.StatReply:
     if source.fast_lookup is not None:
         fast = source.fast_lookup.counters.snapshot()
         counters["fast_lookups"] = fast["lookups"]
+        counters["fast_calls"] = fast["calls"]
         counters["bad_requests"] += fast["bad_requests"]
     if source.peer_server is not None:
         counters.update(

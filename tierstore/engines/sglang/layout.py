@@ -37,6 +37,7 @@ class StorageSettings:
     connect_timeout_s: float = 2.0  # a sidecar that does not answer in time: misses
     call_timeout_s: float = 10.0  # any one control call
     reconnect_s: float = 5.0  # after the sidecar failed, try it again this often
+    fast_path: bool = True  # lookups and the hot calls over the sidecar's fast path; false: gRPC
     model_name: str = ""  # the model's name in keys ("" = SGLang's model name)
     tenant_salt: str = ""  # a namespace of its own (e.g. per deployment)
     # Threads for one batch's copies between the host pool and the arena (one
@@ -60,8 +61,9 @@ class StorageSettings:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         copy_thread_count(settings.copy_threads)  # raises for a bad value
-        if not isinstance(settings.include_peers, bool):
-            raise ValueError(f"include_peers must be true or false, got {settings.include_peers!r}")
+        for name in ("include_peers", "fast_path"):
+            if not isinstance(getattr(settings, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(settings, name)!r}")
         return settings
 
     def copy_thread_count(self) -> int:

@@ -68,6 +68,7 @@ class ConnectorSettings:
     connect_timeout_s: float = 2.0  # a sidecar that does not answer in time: run cold
     call_timeout_s: float = 10.0  # any one control call
     reconnect_s: float = 5.0  # after the sidecar failed, try it again this often
+    fast_path: bool = True  # lookups and the hot calls over the sidecar's fast path; false: gRPC
     end_turn: bool = True  # tell the sidecar when a request ends (replica push)
     model_name: str = ""  # the model's name in keys ("" = vLLM's model name or path)
     tenant_salt: str = ""  # a namespace of its own (e.g. per deployment)
@@ -120,6 +121,9 @@ class ConnectorSettings:
             )
         if settings.removed_events_peer and not settings.removed_events_token_file:
             raise ValueError("removed_events_peer needs removed_events_token_file")
+        for name in ("include_peers", "async_loads", "end_turn", "fast_path"):
+            if not isinstance(getattr(settings, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(settings, name)!r}")
         return settings
 
 
