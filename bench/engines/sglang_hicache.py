@@ -151,8 +151,9 @@ def main() -> int:
                         "as pinned memory on a GPU host stays ready (memory.warm)")  # fmt: skip
     parser.add_argument("--file-dir", default="", help="HiCacheFile's directory (default: a "
                         "new one under the system temp dir, on disk)")  # fmt: skip
-    parser.add_argument("--dram", default="5GiB", help="the sidecar's DRAM tier (holds "
-                        "every run's pages: no eviction is timed)")  # fmt: skip
+    parser.add_argument("--dram", default="7GiB", help="the sidecar's DRAM tier (holds "
+                        "every run's pages: no eviction is timed; the bench fails if a "
+                        "block left DRAM)")  # fmt: skip
     parser.add_argument("--settle-s", type=float, default=1.0, help="pause after each backup: "
                         "the sidecar hashes the blocks it got after their commit (blake3, "
                         "in the background), and the prefetch and the next backend's run "
@@ -182,7 +183,12 @@ def main() -> int:
                 return 1
             results = json.loads(proc.stdout.strip().splitlines()[-1])
             with StoreClient(str(sock)) as client:  # the arena locked in memory (dram_lock)?
-                locked = int(client.stat().counters["arena_locked_bytes"])
+                counters = client.stat().counters
+            locked = int(counters["arena_locked_bytes"])
+            left = int(counters["spilled_blocks"]) + int(counters["dropped_blocks"])
+            if left:  # a run's reserve made room synchronously: its time is the eviction's
+                sys.stderr.write(f"{left} blocks left DRAM during the runs: raise --dram\n")
+                return 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)

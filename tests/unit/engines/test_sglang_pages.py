@@ -169,6 +169,9 @@ def test_settings_take_tierstores_keys_and_leave_sglangs() -> None:
         StorageSettings.from_extra({"call_timeout_s": 0})
     with pytest.raises(ValueError, match="include_peers must be true or false"):
         StorageSettings.from_extra({"include_peers": "yes"})
+    assert s.fast_path and not StorageSettings.from_extra({"fast_path": False}).fast_path
+    with pytest.raises(ValueError, match="fast_path must be true or false"):
+        StorageSettings.from_extra({"fast_path": 0})
 
 
 def test_copy_threads_default_to_the_cores_and_refuse_nonsense() -> None:

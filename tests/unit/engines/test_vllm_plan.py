@@ -234,6 +234,11 @@ def test_settings_are_validated() -> None:
     for bad in (-1, 1.5, True, "64MiB"):
         with pytest.raises(ValueError, match="load_piece_bytes"):
             ConnectorSettings.from_extra({"load_piece_bytes": bad})
+    assert ConnectorSettings.from_extra({}).fast_path
+    assert not ConnectorSettings.from_extra({"fast_path": False}).fast_path
+    for name in ("include_peers", "async_loads", "end_turn", "fast_path"):
+        with pytest.raises(ValueError, match=f"{name} must be true or false"):
+            ConnectorSettings.from_extra({name: "false"})
 
 
 # -- hybrid models: vLLM's KV cache groups ------------------------------------------------
