@@ -35,6 +35,7 @@ from tierstore.fastwire import (
     fast_socket_path,
 )
 from tierstore.keys import chain_keys
+from tierstore.sidecar.fastpath import CALL_FIELDS_BYTES
 from tierstore.tiers import TierName
 from tierstore.v1 import local_pb2
 
@@ -271,15 +272,39 @@ def test_hostile_call_frames(sidecar: SidecarProcess) -> None:
         assert status != STATUS_OK and b"987654321" in body
         status, body = _call(s, CALL_CODES["Commit"], forged.SerializeToString())
         assert status != STATUS_OK
-    with _raw(sidecar) as s:  # a length past the bound: refused, connection closed
-        s.sendall(CALL_REQ.pack(MAGIC_CALL, CALL_CODES["Reserve"], 1 << 30))
-        head = s.recv(CALL_REP.size)
-        assert CALL_REP.unpack(head)[1] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-        s.recv(4096)  # the message
-        assert s.recv(1) == b""
+    # A length past the bound (max_batch_keys keys and the other fields):
+    # refused before anything is read or set aside, connection closed.
+    bound = 64 * 32 + CALL_FIELDS_BYTES
+    for length in (bound + 1, 1 << 30):
+        with _raw(sidecar) as s:
+            s.sendall(CALL_REQ.pack(MAGIC_CALL, CALL_CODES["Reserve"], length))
+            head = s.recv(CALL_REP.size)
+            assert CALL_REP.unpack(head)[1] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert f"at most {bound}".encode() in s.recv(4096)
+            assert s.recv(1) == b""
+    # Seeded fuzz: random bodies behind valid headers, and bodies that are
+    # real requests with random bytes flipped; each gets a reply and the
+    # connection stays in step.
+    rng = random.Random(11)
+    raw = request.SerializeToString()
+    replies = 0
+    with _raw(sidecar) as s:
+        for i in range(1000):
+            method = rng.choice(list(CALL_METHODS))
+            if i % 2:
+                body = rng.randbytes(rng.randrange(0, 300))
+            else:
+                flipped = bytearray(raw)
+                for _ in range(rng.randrange(1, 4)):
+                    flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+                body = bytes(flipped)
+            status, _ = _call(s, method, body)
+            replies += 1
+    assert replies == 1000
     with StoreClient(str(sidecar.socket)) as client:  # nothing stored was touched
         res = client.load(SMALL_LAYOUT, keys)
         assert res.num_blocks == 2 and torch.equal(res.blocks[:2], data)
+        assert sum(c.pins for c in client.stat().clients) == 0
 
 
 def test_a_lookup_only_fast_path_sends_calls_to_grpc(tmp_path) -> None:

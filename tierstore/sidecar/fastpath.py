@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+CALL_FIELDS_BYTES = 4096  # a request's fields besides its keys (ids, deadline, session)
+
 
 class _Aborted(Exception):
     """A handler's ``context.abort``: the status and message to answer with."""
@@ -88,6 +90,8 @@ class FastLookupServer:
         self.store = store
         self.max_keys = max_keys
         self.servicer = servicer
+        # A call's request: at most max_keys keys and a few small fields.
+        self.max_call_bytes = min(MAX_CALL_BYTES, max_keys * KEY_BYTES + CALL_FIELDS_BYTES)
         self.counters = Counters(("lookups", "calls", "bad_requests"))
         self._slots = threading.BoundedSemaphore(max_connections)
         self._closing = False
@@ -161,9 +165,9 @@ class FastLookupServer:
         if not recv_exact(conn, memoryview(header)[MAGIC_BYTES : CALL_REQ.size]):
             return False
         _, method, length = CALL_REQ.unpack_from(header)
-        if length > MAX_CALL_BYTES:
+        if length > self.max_call_bytes:
             self.counters.add("bad_requests")
-            message = f"bad frame: {length} bytes (at most {MAX_CALL_BYTES})"
+            message = f"bad frame: {length} bytes (at most {self.max_call_bytes})"
             self._call_reply(conn, grpc.StatusCode.INVALID_ARGUMENT.value[0], message.encode())
             return False
         body = bytearray(length)
