@@ -332,9 +332,12 @@ class TieredStore:
     def drop(
         self, keys: Sequence[BlockKey], tiers: Sequence[TierName] = (TierName.DRAM, TierName.NVME)
     ) -> int:
-        """Remove blocks from the given tiers without spilling (unpinned ones)."""
+        """Remove blocks from the given tiers without spilling (unpinned ones).
+        Holds the demoter's lock: a block a spill has taken out of DRAM and
+        not yet written would otherwise land on NVMe after the drop."""
         keys = check_keys(keys)
-        return sum(t.remove(keys) for t in self.tiers() if t.name in tiers)
+        with self.demoter.lock:
+            return sum(t.remove(keys) for t in self.tiers() if t.name in tiers)
 
     def make_room(self, nbytes: int, count: int = 1) -> bool:
         """Evict synchronously until a slot of ``nbytes`` fits (room for up to

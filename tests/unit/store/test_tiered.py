@@ -4,6 +4,7 @@ eviction policy."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -241,3 +242,35 @@ def test_live_replicas_stay_in_dram_ahead_of_finished_conversations(
         assert all(s.held(finished + replica + new))  # spilled, not lost
     finally:
         s.close()
+
+
+def test_a_drop_during_a_spill_leaves_no_copy_behind(store) -> None:
+    """A spill has taken a block out of DRAM and is writing it to NVMe when
+    the block is dropped: the drop waits for the spill, so the copy it writes
+    is dropped too (without that, the block came back on NVMe after its drop;
+    the stateful store test caught it once)."""
+    s, nvme = store
+    keys = keys_of(1, start=90_000)
+    assert s.put(L, keys, data_for(keys)) == [True]
+    writing, go = threading.Event(), threading.Event()
+    real_write = nvme.write_many
+
+    def slow_write(items, digests=None):
+        writing.set()
+        assert go.wait(10)
+        return real_write(items, digests)
+
+    nvme.write_many = slow_write  # type: ignore[method-assign]
+    spill = threading.Thread(target=s.demote, args=(keys,))
+    spill.start()
+    assert writing.wait(10), "the spill never started writing"
+    drop = threading.Thread(target=s.drop, args=(keys,))
+    drop.start()
+    drop.join(0.3)  # a drop that does not wait for the spill is done by now
+    go.set()
+    spill.join(10)
+    drop.join(10)
+    assert not spill.is_alive() and not drop.is_alive()
+    assert nvme.writes >= 1  # the spill did write the block
+    assert s.lookup(L, keys).num_hits == 0
+    assert nvme.contains(keys) == [False], "the dropped block came back on NVMe"
