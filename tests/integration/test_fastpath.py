@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import socket
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,14 +55,17 @@ def _raw(sidecar: SidecarProcess) -> socket.socket:
     return s
 
 
-def _reply(s: socket.socket) -> tuple[int, bytes]:
+def _reply(
+    s: socket.socket, frame: struct.Struct = LOOKUP_REP, want: bytes = MAGIC_REP
+) -> tuple[int, bytes]:
+    """A reply frame (a lookup's, or with ``frame`` and ``want`` a call's): status, body."""
     head = b""
-    while len(head) < LOOKUP_REP.size:
-        chunk = s.recv(LOOKUP_REP.size - len(head))
+    while len(head) < frame.size:
+        chunk = s.recv(frame.size - len(head))
         assert chunk, "connection closed without a reply"
         head += chunk
-    magic, status, count = LOOKUP_REP.unpack(head)
-    assert magic == MAGIC_REP
+    magic, status, count = frame.unpack(head)
+    assert magic == want
     body = b""
     while len(body) < count:
         body += s.recv(count - len(body))
@@ -177,17 +181,7 @@ def test_frame_layout_is_stable() -> None:
 def _call(s: socket.socket, method: int, body: bytes) -> tuple[int, bytes]:
     """One raw call frame and its reply (status, body)."""
     s.sendall(CALL_REQ.pack(MAGIC_CALL, method, len(body)) + body)
-    head = b""
-    while len(head) < CALL_REP.size:
-        chunk = s.recv(CALL_REP.size - len(head))
-        assert chunk, "connection closed without a reply"
-        head += chunk
-    magic, status, length = CALL_REP.unpack(head)
-    assert magic == MAGIC_CALL_REP
-    body = b""
-    while len(body) < length:
-        body += s.recv(length - len(body))
-    return status, body
+    return _reply(s, CALL_REP, MAGIC_CALL_REP)
 
 
 def _blocks(n: int, seed: int) -> torch.Tensor:
