@@ -145,9 +145,10 @@ class ArenaReader:
         if not keys or not control.connected:
             return
         request = control.request(layout, keys)
-        if control.fast_calls is not None:
+        fast = control.fast_calls
+        if fast is not None:
             try:
-                if control.fast_calls.call("Release", request, control.call_timeout_s, "release"):
+                if fast.call("Release", request, control.call_timeout_s, "release") is not None:
                     return
             except TierstoreError as e:
                 self._releases.failed(e)
