@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from pathlib import Path
 
 from tierstore.errors import TierstoreError
@@ -64,10 +65,17 @@ class FastPathError(TierstoreError):
     """The sidecar refused a fast-path lookup; the message says why."""
 
 
-def recv_exact(conn: socket.socket, view: memoryview) -> bool:
-    """Fill ``view``; False on a clean EOF before the first byte."""
+def recv_exact(conn: socket.socket, view: memoryview, deadline: float | None = None) -> bool:
+    """Fill ``view``; False on a clean EOF before the first byte. With
+    ``deadline`` (``time.monotonic()``), ``TimeoutError`` once it passes
+    (each read waits what is left of it)."""
     got = 0
     while got < len(view):
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{got} of {len(view)} bytes by the deadline")
+            conn.settimeout(remaining)
         n = conn.recv_into(view[got:])
         if n == 0:
             if got == 0:

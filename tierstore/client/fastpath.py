@@ -134,14 +134,16 @@ class FastCalls:
             sock.settimeout(timeout_s)
             sock.sendall(CALL_REQ.pack(MAGIC_CALL, CALL_CODES[method], len(body)) + body)
             head = bytearray(CALL_REP.size)
-            _recv_by(sock, head, deadline)
+            if not recv_exact(sock, memoryview(head), deadline):
+                raise ConnectionError("the sidecar closed the fast path")
             magic, status, length = CALL_REP.unpack(head)
             if magic == MAGIC_REP:  # a lookup-only fast path refused the frame
                 raise _NotServed
             if magic != MAGIC_CALL_REP or length > MAX_CALL_BYTES:
                 raise ConnectionError(f"bad fast-path reply: magic {magic!r}, {length} bytes")
             payload = bytearray(length)
-            _recv_by(sock, payload, deadline)
+            if length and not recv_exact(sock, memoryview(payload), deadline):
+                raise ConnectionError("the sidecar closed the fast path")
             reused = True
         except _NotServed:
             self.served = False
@@ -196,17 +198,3 @@ class FastCalls:
             self.served = False
         for sock in idle:
             sock.close()
-
-
-def _recv_by(sock: socket.socket, buf: bytearray, deadline: float) -> None:
-    """Fill ``buf`` by ``deadline`` (``TimeoutError`` past it)."""
-    view, got = memoryview(buf), 0
-    while got < len(buf):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"{got} of {len(buf)} bytes by the deadline")
-        sock.settimeout(remaining)
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError(f"fast path closed after {got} of {len(buf)} bytes")
-        got += n

@@ -281,10 +281,6 @@ class PeerTier:
         self.counters.add_many({"fetches": 1, "fetches_compressed": int(compress)})
         try:
             result = self._receive(peer, layout, keys, deadline, compress, claim)
-        except TransferStalled as e:  # OpenFetch unanswered, or no data connection
-            self.counters.add("fetch_stalls")
-            _faults.warning(f"stall:{peer.address}", "fetch from %s cut: %s", peer.address, e)
-            return ReceiveResult(error=str(e), stalled=True)
         except (grpc.RpcError, OSError) as e:
             self.counters.add("fetch_timeouts" if _timed_out(e, deadline) else "fetch_errors")
             _faults.warning(
@@ -323,7 +319,10 @@ class PeerTier:
         large raw transfers measure the link to it."""
         started = time.monotonic()
         stall_s = self.cfg.fetch_stall_s
-        num_blocks, conn = peer.open_fetch(layout, keys, deadline, compress, stall_s)
+        try:
+            num_blocks, conn = peer.open_fetch(layout, keys, deadline, compress, stall_s)
+        except TransferStalled as e:  # OpenFetch unanswered, or no data connection
+            return ReceiveResult(error=str(e), stalled=True)
         if conn is None:
             return ReceiveResult()
         try:
