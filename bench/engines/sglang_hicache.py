@@ -2,7 +2,7 @@
 
     python -m bench.engines.sglang_hicache [--json] [--reps 7] [--pages 32] [--page-size 64]
         [--layout page_first_direct|page_first|layer_first] [--copy-threads N]
-        [--keep-warm-s S]
+        [--dram 4.5GiB] [--ready-dram 2.5GiB]
 
 One driver process in SGLang's own environment (bench/engines/sglang_env.sh, built
 on first use) runs SGLang's ``HiCacheController`` on the CPU over an
@@ -21,19 +21,29 @@ is reported but not counted:
 - ``tierstore``: ``TierstoreStorage`` on the v1 path (``interface_v1``: the
   backend copies between the host pool and the sidecar's arena), against a
   local sidecar (DRAM, NVMe behind it);
-- ``tierstore_grpc``: the same with the client's fast path off
-  (``fast_path: false``: every sidecar call over gRPC), the A/B of the fast
-  path's calls (``tierstore_fast_vs_grpc_backup`` / ``_prefetch``: the
-  medians' ratio; ``fast_vs_grpc_pairs``: each round's pair);
+- ``tierstore_ready``: the same, with the memory each timed step copies
+  out of and into read one byte a page just before it, not timed (the
+  source pool and the sidecar's arena before the backup, the arena and the
+  reader's pool before the prefetch): the copies as a GPU host meets them,
+  its pinned memory never slow to touch. On a sidecar of its own, so that
+  these reads leave the other sidecar's arena as idle as ever.
+  ``tierstore_vs_ready_pairs``: each round's ``tierstore`` figure over its
+  ``tierstore_ready`` one, what idle memory costs the path;
+- ``copy``: SGLang's controller around a backend with no store
+  (``copystorage.CopyStorage``): the v1 path's copies, made as tierstore
+  makes them, between the host pool and a plain buffer of the driver, with
+  no lookup, no sidecar call and no hashing. The most a backend that copies
+  the bytes can do through this controller on this machine, with its
+  thread hand-offs and polling: the limit of the end-to-end figures
+  (``tierstore_*_vs_copy_backend``; ``tierstore_vs_copy_pairs``, each
+  round's pair);
 - ``tierstore_generic``: the same on SGLang's generic path (flat pages);
 - ``file``: SGLang's own ``HiCacheFile`` (one file per page, its default
   L3), in a directory on this machine's disk (``--file-dir``);
 - ``file_cold``: ``HiCacheFile`` on disk with its files dropped from the
   page cache after each backup (``posix_fadvise(DONTNEED)``, not timed), so
   that its prefetch reads the disk, as it does for pages backed up long
-  enough ago (``file`` reads them back from the page cache: memory speed);
-- ``file_shm``: ``HiCacheFile`` on /dev/shm (tmpfs: no disk at all), the
-  same backend with its storage at memory speed.
+  enough ago (``file`` reads them back from the page cache: memory speed).
 
 After a file backend's backup the bench runs ``sync`` (not timed), so the
 dirty pages it left are not written back during the next timed step.
@@ -57,16 +67,15 @@ figure and idle seconds in ``aged_memcpy_runs_gbps`` /
 every run is in the JSON.
 ``byte_exact``: every page of every run came back equal.
 
-``--keep-warm-s S``: the driver reads one byte of every page of the host
-pools and the sidecar's arena every S seconds (``warm_passes`` counts the
-passes), in a thread of its own that runs through the timed steps too. On
-this VM memory left idle for tens of seconds is slow to touch again
-(``bench/tiers/memage.py``), and every run's backup writes arena units idle
-since the sidecar started; a GPU host pins both (and its VM, with the GPU
-passed through, all its memory), so this measures the copies as such a
-host meets them. The default (0) measures them as this VM meets them.
-``arena_pinned``: the sidecar's arena was locked in memory (``dram_lock``,
-on by default; ``arena_locked_bytes`` from its stat after the runs).
+Why ``tierstore_ready``: on this VM memory left idle for tens of seconds is
+slow to touch again, locked in memory or not (``bench/tiers/memage.py``),
+and every run's backup writes arena units idle since the sidecar started,
+every prefetch a host pool idle since the last round; a GPU host pins both
+(and its VM, with the GPU passed through, all its memory). ``tierstore``
+measures the copies as this VM meets them, ``tierstore_ready`` as such a
+host does. ``arena_pinned``: both sidecars' arenas were locked in memory
+(``dram_lock``, on by default; ``arena_locked_bytes`` from their stats
+after the runs).
 """
 
 from __future__ import annotations
@@ -89,7 +98,7 @@ from tierstore.client import StoreClient
 from tierstore.memory.memcopy import RUNS_LOOP
 
 MODEL = {"layers": 32, "heads": 8, "head_dim": 128, "dtype": "bfloat16"}
-BACKENDS = ("tierstore", "tierstore_grpc", "tierstore_generic", "file", "file_cold", "file_shm")
+BACKENDS = ("tierstore", "tierstore_ready", "copy", "tierstore_generic", "file", "file_cold")
 DEFAULT_VENV = Path.home() / ".cache" / "tierstore-bench" / "sglang-venv"
 
 
@@ -100,7 +109,9 @@ def sglang_python() -> Path:
     return venv / "bin" / "python"
 
 
-def specs(args: argparse.Namespace, sock: Path, file_dirs: dict[str, str]) -> list[dict[str, Any]]:
+def specs(
+    args: argparse.Namespace, sock: Path, ready_sock: Path, file_dirs: dict[str, str]
+) -> list[dict[str, Any]]:
     """A warm-up run per backend (not counted), then ``reps`` rounds of one
     run per backend; each backend keeps its ranks (``session``) throughout."""
     out = []
@@ -117,18 +128,15 @@ def specs(args: argparse.Namespace, sock: Path, file_dirs: dict[str, str]) -> li
                 "settle_s": args.settle_s,
                 "session": backend,
             }
-            if args.keep_warm_s > 0:
-                spec["keep_warm_s"] = args.keep_warm_s
-            settings: dict[str, Any] = {}
             if args.copy_threads:
-                settings["copy_threads"] = args.copy_threads
-            if backend == "tierstore_grpc":
-                settings["fast_path"] = False
-            if settings:
-                spec["settings"] = settings
-            if backend.startswith("tierstore"):
-                spec.update(backend="tierstore", socket_path=str(sock),
-                            interface_v1=backend != "tierstore_generic")  # fmt: skip
+                spec["settings"] = {"copy_threads": args.copy_threads}
+            if backend == "copy":
+                spec["backend"] = "copy"
+            elif backend.startswith("tierstore"):
+                ready = backend == "tierstore_ready"
+                spec.update(backend="tierstore", socket_path=str(ready_sock if ready else sock),
+                            interface_v1=backend != "tierstore_generic",
+                            ready_memory=ready)  # fmt: skip
             else:
                 spec.update(backend="file", file_dir=file_dirs[backend],
                             cold_files=backend == "file_cold")  # fmt: skip
@@ -146,14 +154,13 @@ def main() -> int:
                         choices=["layer_first", "page_first", "page_first_direct"])  # fmt: skip
     parser.add_argument("--copy-threads", type=int, default=0, help="the backend's "
                         "copy_threads (0: its default, the cores up to 4)")  # fmt: skip
-    parser.add_argument("--keep-warm-s", type=float, default=0.0, help="> 0: read a byte "
-                        "of every page of the host pools and the sidecar's arena this often, "
-                        "as pinned memory on a GPU host stays ready (memory.warm)")  # fmt: skip
     parser.add_argument("--file-dir", default="", help="HiCacheFile's directory (default: a "
                         "new one under the system temp dir, on disk)")  # fmt: skip
-    parser.add_argument("--dram", default="7GiB", help="the sidecar's DRAM tier (holds "
-                        "every run's pages: no eviction is timed; the bench fails if a "
-                        "block left DRAM)")  # fmt: skip
+    parser.add_argument("--dram", default="4.5GiB", help="the DRAM tier of the sidecar of "
+                        "tierstore and tierstore_generic (holds every run's pages: no "
+                        "eviction is timed; the bench fails if a block left DRAM)")  # fmt: skip
+    parser.add_argument("--ready-dram", default="2.5GiB", help="the same for "
+                        "tierstore_ready's sidecar")  # fmt: skip
     parser.add_argument("--settle-s", type=float, default=1.0, help="pause after each backup: "
                         "the sidecar hashes the blocks it got after their commit (blake3, "
                         "in the background), and the prefetch and the next backend's run "
@@ -162,17 +169,20 @@ def main() -> int:
     python = sglang_python()
     tmp = Path(tempfile.mkdtemp(prefix="tierstore-sglang-bench-"))
     disk_dir = Path(args.file_dir) if args.file_dir else tmp / "hicache-file"
-    shm_dir = Path(tempfile.mkdtemp(prefix="tierstore-sglang-bench-", dir="/dev/shm"))
-    file_dirs = {"file": str(disk_dir), "file_cold": str(disk_dir.with_name("hicache-file-cold")),
-                 "file_shm": str(shm_dir)}  # fmt: skip
+    file_dirs = {"file": str(disk_dir), "file_cold": str(disk_dir.with_name("hicache-file-cold"))}
     try:
         (tmp / "sidecar").mkdir()
+        (tmp / "sidecar-ready").mkdir()
         disk_dir.mkdir(parents=True, exist_ok=True)
         fs_type = _fs_type(disk_dir)  # before the directory is gone
         # The arena made ready before the sidecar serves: its background
         # populator would otherwise share the two cores with the first runs.
-        with bench_sidecar(tmp / "sidecar", _bytes(args.dram), "dram_populate=upfront") as sock:
-            runs = specs(args, sock, file_dirs)
+        with (
+            bench_sidecar(tmp / "sidecar", _bytes(args.dram), "dram_populate=upfront") as sock,
+            bench_sidecar(tmp / "sidecar-ready", _bytes(args.ready_dram),
+                          "dram_populate=upfront") as ready_sock,
+        ):  # fmt: skip
+            runs = specs(args, sock, ready_sock, file_dirs)
             env = dict(os.environ, PYTHONPATH=str(REPO))
             proc = subprocess.run(
                 [str(python), "-m", "tierstore.engines.sglang.driver", json.dumps(runs)],
@@ -180,21 +190,25 @@ def main() -> int:
             )  # fmt: skip
             if proc.returncode != 0:
                 sys.stderr.write(proc.stderr[-6000:])
+                if proc.returncode < 0:  # no traceback to read: say what ended it
+                    sys.stderr.write(f"the driver was killed by signal {-proc.returncode} "
+                                     "(9: the kernel's OOM killer? lower --dram)\n")  # fmt: skip
                 return 1
             results = json.loads(proc.stdout.strip().splitlines()[-1])
-            with StoreClient(str(sock)) as client:  # the arena locked in memory (dram_lock)?
-                counters = client.stat().counters
-            locked = int(counters["arena_locked_bytes"])
-            left = int(counters["spilled_blocks"]) + int(counters["dropped_blocks"])
-            if left:  # a run's reserve made room synchronously: its time is the eviction's
-                sys.stderr.write(f"{left} blocks left DRAM during the runs: raise --dram\n")
-                return 1
+            locked = []
+            for name, path in (("--dram", sock), ("--ready-dram", ready_sock)):
+                with StoreClient(str(path)) as client:  # the arena locked (dram_lock)?
+                    counters = client.stat().counters
+                locked.append(int(counters["arena_locked_bytes"]))
+                left = int(counters["spilled_blocks"]) + int(counters["dropped_blocks"])
+                if left:  # a reserve made room synchronously: its time is the eviction's
+                    sys.stderr.write(f"{left} blocks left DRAM during the runs: raise {name}\n")
+                    return 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
     out = summarize(args, runs, results, fs_type)
     out["arena_locked_bytes"] = locked
-    out["arena_pinned"] = locked > 0
+    out["arena_pinned"] = min(locked) > 0
     emit(out, args.json)
     return 0
 
@@ -245,30 +259,27 @@ def summarize(
     out["copy_runs_gbps"] = round(statistics.median(runs_copy), 3)
     out["copy_threads"] = next(r["copy_threads"] for r in results if r["copy_threads"])
     out["copy_loop"] = RUNS_LOOP
-    out["keep_warm_s"] = args.keep_warm_s
-    out["warm_passes"] = results[-1]["warm_passes"]
+    out["ready_bytes_per_run"] = max(r["ready_bytes"] for r in results)
     out["byte_exact"] = exact
     out["tierstore_vs_file_backup"] = ratio(med["tierstore"]["backup"], med["file"]["backup"])
     out["tierstore_vs_file_prefetch"] = ratio(med["tierstore"]["prefetch"], med["file"]["prefetch"])
     out["tierstore_vs_file_cold_prefetch"] = ratio(
         med["tierstore"]["prefetch"], med["file_cold"]["prefetch"]
     )
-    out["tierstore_vs_file_shm_backup"] = ratio(
-        med["tierstore"]["backup"], med["file_shm"]["backup"]
-    )
-    out["tierstore_vs_file_shm_prefetch"] = ratio(
-        med["tierstore"]["prefetch"], med["file_shm"]["prefetch"]
-    )
-    for step in ("backup", "prefetch"):
-        out[f"tierstore_fast_vs_grpc_{step}"] = ratio(
-            med["tierstore"][step], med["tierstore_grpc"][step]
-        )
-    out["fast_vs_grpc_pairs"] = {
-        step: [ratio(f, g) for f, g in zip(per["tierstore"][step], per["tierstore_grpc"][step])]
-        for step in ("backup", "prefetch")
-    }
     out["tierstore_backup_vs_memcpy"] = ratio(med["tierstore"]["backup"], mc)
     out["tierstore_prefetch_vs_memcpy"] = ratio(med["tierstore"]["prefetch"], mc)
+    out["tierstore_ready_backup_vs_memcpy"] = ratio(med["tierstore_ready"]["backup"], mc)
+    out["tierstore_ready_prefetch_vs_memcpy"] = ratio(med["tierstore_ready"]["prefetch"], mc)
+    for step in ("backup", "prefetch"):
+        out[f"tierstore_{step}_vs_copy_backend"] = ratio(med["tierstore"][step], med["copy"][step])
+    out["tierstore_vs_copy_pairs"] = {
+        step: [ratio(a, c) for a, c in zip(per["tierstore"][step], per["copy"][step])]
+        for step in ("backup", "prefetch")
+    }
+    out["tierstore_vs_ready_pairs"] = {
+        step: [ratio(a, r) for a, r in zip(per["tierstore"][step], per["tierstore_ready"][step])]
+        for step in ("backup", "prefetch")
+    }
     if aged:
         out["aged_memcpy_gbps"] = round(statistics.median(aged), 3)
         out["tierstore_backup_vs_aged_memcpy"] = ratio(
@@ -286,6 +297,9 @@ def summarize(
     last = len(results) - len(BACKENDS)
     out["tierstore_backup_stats"] = results[last]["backup_stats"]
     out["tierstore_prefetch_stats"] = results[last]["prefetch_stats"]
+    ready = last + BACKENDS.index("tierstore_ready")
+    out["tierstore_ready_backup_stats"] = results[ready]["backup_stats"]
+    out["tierstore_ready_prefetch_stats"] = results[ready]["prefetch_stats"]
     return out
 
 

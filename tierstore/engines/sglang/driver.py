@@ -23,9 +23,10 @@ parallel-state override for one rank. Then, as ``Spec`` asks:
   ``source_layout``, so the backup may have run in another process, on
   another host's sidecar.
 
-With ``keep_warm_s`` the host pools and the sidecar's arena are kept warm
-(``membench``), and with ``memcpy_reps`` plain copies are timed next to
-the run (``membench.time_memcpy``).
+With ``ready_memory`` the memory each timed step copies out of and into
+(the host pool, the sidecar's arena) is read once just before it, not
+timed (``membench.make_ready``), and with ``memcpy_reps`` plain copies are
+timed next to the run (``membench.time_memcpy``).
 
 Prints one JSON object (``Result``), or a list of them for a list of specs
 (run one after the other in this process). Used by tests/e2e/test_sglang.py and
@@ -55,7 +56,8 @@ log = logging.getLogger("tierstore.engines.sglang.driver")
 
 @dataclass
 class Spec:
-    backend: str = "tierstore"  # or "file": SGLang's HiCacheFile
+    # or "file": SGLang's HiCacheFile; or "copy": copystorage.CopyStorage, no store
+    backend: str = "tierstore"
     socket_path: str = ""
     file_dir: str = ""  # HiCacheFile's directory
     interface_v1: bool = True  # the zero-copy path (batch_get_v1 / batch_set_v1)
@@ -79,10 +81,13 @@ class Spec:
     timeout_s: float = 60.0  # each wait on a controller queue
     memcpy_reps: int = 0  # also time plain copies of the conversation's bytes, this often
     settle_s: float = 0.0  # pause after the backup (the sidecar hashes what it got)
-    # > 0: keep the host pools and the sidecar's arena warm (tierstore.memory.warm:
-    # a byte a page read this often), as pinned memory on a GPU host is. One
-    # thread for the whole driver, from the first spec that asks.
-    keep_warm_s: float = 0.0
+    # Read one byte of every page of the memory a timed step copies out of and
+    # into just before it (not timed): the source pool and the sidecar's arena
+    # before the backup, the arena and the reader's pool before the prefetch.
+    # On this VM idle memory is slow to touch the first time, locked or not;
+    # a GPU host's pinned memory is not, and this measures the copies as
+    # such a host meets them.
+    ready_memory: bool = False
     # HiCacheFile: its files' pages dropped from the page cache after the backup,
     # so the prefetch reads the disk (as pages backed up long ago are read).
     cold_files: bool = False
@@ -117,7 +122,7 @@ class Result:
     # driver started and idle since (as old as a sidecar arena populated then).
     aged_memcpy_s: float = 0.0
     aged_idle_s: float = 0.0
-    warm_passes: int = 0  # with keep_warm_s: the KeepWarm's passes so far
+    ready_bytes: int = 0  # with ready_memory: bytes read through before the timed steps
     backup_stats: dict[str, Any] = field(default_factory=dict)  # TierstoreStorage.stats
     prefetch_stats: dict[str, Any] = field(default_factory=dict)
 
@@ -163,7 +168,6 @@ class Rank:
         # every page in at start; unpinned here, its pages would be faulted in
         # by the first copies into them: touch them once now, the same.
         self.host.kv_buffer.view(-1).view(torch.uint8).fill_(0)
-        membench.warm_add(self.host.kv_buffer.view(-1).view(torch.uint8).numpy())
         allocator = PagedTokenToKVPoolAllocator(size, ps, dtype, "cpu", self.device, False)
         if spec.backend == "tierstore":
             backend = "dynamic"
@@ -177,8 +181,18 @@ class Rank:
             }
         elif spec.backend == "file":
             backend, extra = "file", {"file_storage_path": spec.file_dir}
+        elif spec.backend == "copy":
+            backend = "dynamic"
+            extra = {
+                "backend_name": "copy",
+                "module_path": "tierstore.engines.sglang.copystorage",
+                "class_name": "CopyStorage",
+                "interface_v1": 1,
+                "capacity_pages": spec.pages,
+                **spec.settings,
+            }
         else:
-            raise ValueError(f"backend must be tierstore or file, not {spec.backend!r}")
+            raise ValueError(f"backend must be tierstore, file or copy, not {spec.backend!r}")
         self.controller = HiCacheController(
             allocator,
             self.host,
@@ -249,6 +263,10 @@ class Rank:
         wait = getattr(self.controller.storage_backend, "wait_arena_tables", None)
         if wait is not None and not wait(timeout_s):
             raise TimeoutError(f"the sidecar clients' arena page tables took over {timeout_s}s")
+
+    def pool_bytes(self) -> Any:
+        """The host pool's memory, as a flat uint8 array (no copy)."""
+        return self.host.kv_buffer.view(-1).view(torch.uint8).numpy()
 
     def stats(self) -> dict[str, Any]:
         backend = self.controller.storage_backend
@@ -385,8 +403,11 @@ def _run(
     # The pages the backup wrote: the first alloc of a fresh pool, in this
     # process or in the one that ran the backup.
     written = source.alloc(len(tokens))
+    arena = spec.socket_path if spec.backend == "tierstore" else None
     try:
         if spec.backup:
+            if spec.ready_memory:
+                result.ready_bytes += membench.make_ready([source.pool_bytes()], arena)
             result.backup_tokens, result.backup_s = source.backup(written, tokens, keys)
             result.backup_stats = source.stats()
             if spec.backend == "file":
@@ -397,6 +418,8 @@ def _run(
                     _drop_cached(spec.file_dir)
             time.sleep(spec.settle_s)
         if spec.prefetch:
+            if spec.ready_memory:
+                result.ready_bytes += membench.make_ready([reader.pool_bytes()], arena)
             got, result.hit_tokens, done, result.prefetch_s = reader.prefetch(tokens)
             result.prefetched_tokens = done
             if got is not None:
@@ -422,7 +445,7 @@ def _drop_cached(directory: str) -> None:
 
 
 def close_sessions() -> None:
-    membench.warm_close()
+    membench.close_arenas()
     for source, reader in _SESSIONS.values():
         source.close()
         reader.close()
@@ -447,13 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         membench.prepare_aged([_aged_bytes(Spec(**one)) for one in specs])
         results = []
         for one in specs:
-            spec = Spec(**one)
-            if spec.keep_warm_s > 0:
-                arena_socket = spec.socket_path if spec.backend == "tierstore" else None
-                membench.keep_warm(spec.keep_warm_s, arena_socket)
-            result = run(spec)
-            result.warm_passes = membench.warm_passes()
-            results.append(asdict(result))
+            results.append(asdict(run(Spec(**one))))
     finally:
         close_sessions()
     print(json.dumps(results if isinstance(raw, list) else results[0]), flush=True)

@@ -1,5 +1,5 @@
 """The SGLang driver's memory side: the plain copies a run is measured
-against, and memory kept warm as pinned memory is.
+against, and memory made ready before a timed step, as pinned memory is.
 
 Provides, for ``driver`` (one process, its main thread):
 
@@ -9,9 +9,11 @@ Provides, for ``driver`` (one process, its main thread):
   (``prepare_aged``): on a VM where idle memory is slow to touch again,
   memory as old as a sidecar arena populated at its start is written more
   slowly the first time, which a copy between touched buffers never shows;
-- ``keep_warm`` / ``warm_add`` / ``warm_close``: one ``KeepWarm`` thread
-  (``tierstore.memory.warm``) over the host pools and the sidecars' arenas,
-  when a spec asks for it.
+- ``make_ready`` / ``close_arenas``: one byte of every page of the host
+  pools and the sidecar's arena read before a timed step (not timed), when
+  a spec asks for it (``ready_memory``): on this VM memory left idle is slow
+  to touch again whether it is locked or not, and a GPU host's pinned
+  memory never is.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import numpy as np
 import torch
 
 from tierstore.client import StoreClient
-from tierstore.memory.memcopy import copy_runs
-from tierstore.memory.warm import KeepWarm
+from tierstore.memory.memcopy import copy_runs, flat_bytes
+from tierstore.memory.warm import touch
 
 
 def time_memcpy(
@@ -79,42 +81,25 @@ def prepare_aged(sizes: list[int]) -> None:
             _AGED.append((torch.ones(n, dtype=torch.uint8), time.monotonic()))
 
 
-_WARM: list[KeepWarm] = []  # the driver's one KeepWarm, once a spec asked for it
-_WARM_ARENAS: dict[str, StoreClient] = {}  # socket -> a client that maps its arena
+_ARENAS: dict[str, StoreClient] = {}  # socket -> a client that maps its arena
 
 
-def keep_warm(period_s: float, arena_socket: str | None) -> KeepWarm:
-    """Start the driver's KeepWarm (the first call's period), and add the
-    arena of the sidecar at ``arena_socket`` ("": tierstore's default
-    socket; None: none) once. Host pools made afterwards add themselves
-    (``warm_add``)."""
-    if not _WARM:
-        _WARM.append(KeepWarm(period_s))
-    warm = _WARM[0]
-    if warm.error is not None:
-        raise RuntimeError(f"keeping memory warm failed: {warm.error!r}")
-    if arena_socket is not None and arena_socket not in _WARM_ARENAS:
-        client = StoreClient(arena_socket or None, name="keep-warm")
-        _WARM_ARENAS[arena_socket] = client
-        warm.add(client.arena.buf)
-    return warm
+def make_ready(bufs: list[Any], arena_socket: str | None) -> int:
+    """Read one byte of every page of ``bufs`` and, with ``arena_socket``
+    ("": tierstore's default socket; None: none), of that sidecar's whole
+    arena (mapped once, through a client of the driver's own). Returns the
+    bytes so passed over."""
+    views = [flat_bytes(b) for b in bufs]
+    if arena_socket is not None:
+        if arena_socket not in _ARENAS:
+            _ARENAS[arena_socket] = StoreClient(arena_socket or None, name="ready-memory")
+        views.append(flat_bytes(_ARENAS[arena_socket].arena.buf))
+    for view in views:
+        touch(view)
+    return sum(v.nbytes for v in views)
 
 
-def warm_add(buf: Any) -> None:
-    """Keep ``buf`` warm too, when the driver keeps memory warm."""
-    if _WARM:
-        _WARM[0].add(buf)
-
-
-def warm_passes() -> int:
-    """How many passes the KeepWarm made (0 when there is none)."""
-    return _WARM[0].passes if _WARM else 0
-
-
-def warm_close() -> None:
-    for warm in _WARM:
-        warm.close()
-    _WARM.clear()
-    for client in _WARM_ARENAS.values():
+def close_arenas() -> None:
+    for client in _ARENAS.values():
         client.close()
-    _WARM_ARENAS.clear()
+    _ARENAS.clear()
