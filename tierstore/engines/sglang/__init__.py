@@ -10,6 +10,8 @@ dynamic``)::
 - ``pages``: host-pool pages as blocks, one byte order for every layout;
 - ``driver``: SGLang's real ``HiCacheController`` on the CPU against a
   sidecar (tests and ``bench/engines/sglang_hicache.py``; run from SGLang's environment).
+- ``copystorage``: a backend with no store (the same copies into a plain
+  buffer), which ``driver`` runs as the bench's limit.
 
 The class is imported on first use, so that ``pages`` needs no SGLang.
 """
