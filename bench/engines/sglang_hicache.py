@@ -34,7 +34,7 @@ is reported but not counted:
   makes them, between the host pool and a plain buffer of the driver, with
   no lookup, no sidecar call and no hashing. The most a backend that copies
   the bytes can do through this controller on this machine, with its
-  thread hand-offs and polling: the limit of the end-to-end figures
+  thread hand-offs: the limit of the end-to-end figures
   (``tierstore_*_vs_copy_backend``; ``tierstore_vs_copy_pairs``, each
   round's pair);
 - ``tierstore_generic``: the same on SGLang's generic path (flat pages);
