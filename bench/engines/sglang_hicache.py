@@ -2,7 +2,7 @@
 
     python -m bench.engines.sglang_hicache [--json] [--reps 7] [--pages 32] [--page-size 64]
         [--layout page_first_direct|page_first|layer_first] [--copy-threads N]
-        [--dram 4.5GiB] [--ready-dram 2.5GiB]
+        [--dram 4.5GiB] [--ready-dram 2.5GiB] [--shm-dir DIR]
 
 One driver process in SGLang's own environment (bench/engines/sglang_env.sh, built
 on first use) runs SGLang's ``HiCacheController`` on the CPU over an
@@ -75,7 +75,8 @@ every prefetch a host pool idle since the last round; a GPU host pins both
 measures the copies as this VM meets them, ``tierstore_ready`` as such a
 host does. ``arena_pinned``: both sidecars' arenas were locked in memory
 (``dram_lock``, on by default; ``arena_locked_bytes`` from their stats
-after the runs).
+after the runs); ``arena_page`` / ``arena_huge_bytes``: their page size,
+and the bytes mapped with huge pages (``--shm-dir``).
 """
 
 from __future__ import annotations
@@ -161,6 +162,9 @@ def main() -> int:
                         "eviction is timed; the bench fails if a block left DRAM)")  # fmt: skip
     parser.add_argument("--ready-dram", default="2.5GiB", help="the same for "
                         "tierstore_ready's sidecar")  # fmt: skip
+    parser.add_argument("--shm-dir", default="", help="both sidecars' shm_dir (default: "
+                        "theirs, /dev/shm); a huge=always tmpfs or a hugetlbfs mount gives "
+                        "their arenas 2 MiB pages (arena_page in the output)")  # fmt: skip
     parser.add_argument("--settle-s", type=float, default=1.0, help="pause after each backup: "
                         "the sidecar hashes the blocks it got after their commit (blake3, "
                         "in the background), and the prefetch and the next backend's run "
@@ -177,11 +181,11 @@ def main() -> int:
         fs_type = _fs_type(disk_dir)  # before the directory is gone
         # The arena made ready before the sidecar serves: its background
         # populator would otherwise share the two cores with the first runs.
+        extra = ("dram_populate=upfront", *([f"shm_dir={args.shm_dir}"] if args.shm_dir else []))
         with (
-            bench_sidecar(tmp / "sidecar", _bytes(args.dram), "dram_populate=upfront") as sock,
-            bench_sidecar(tmp / "sidecar-ready", _bytes(args.ready_dram),
-                          "dram_populate=upfront") as ready_sock,
-        ):  # fmt: skip
+            bench_sidecar(tmp / "sidecar", _bytes(args.dram), *extra) as sock,
+            bench_sidecar(tmp / "sidecar-ready", _bytes(args.ready_dram), *extra) as ready_sock,
+        ):
             runs = specs(args, sock, ready_sock, file_dirs)
             env = dict(os.environ, PYTHONPATH=str(REPO))
             proc = subprocess.run(
@@ -195,11 +199,14 @@ def main() -> int:
                                      "(9: the kernel's OOM killer? lower --dram)\n")  # fmt: skip
                 return 1
             results = json.loads(proc.stdout.strip().splitlines()[-1])
-            locked = []
+            locked, pages, huge = [], [], []
             for name, path in (("--dram", sock), ("--ready-dram", ready_sock)):
                 with StoreClient(str(path)) as client:  # the arena locked (dram_lock)?
-                    counters = client.stat().counters
+                    reply = client.stat()
+                counters = reply.counters
                 locked.append(int(counters["arena_locked_bytes"]))
+                pages.append(reply.info["arena_page"])
+                huge.append(int(counters["arena_huge_bytes"]))
                 left = int(counters["spilled_blocks"]) + int(counters["dropped_blocks"])
                 if left:  # a reserve made room synchronously: its time is the eviction's
                     sys.stderr.write(f"{left} blocks left DRAM during the runs: raise {name}\n")
@@ -209,6 +216,8 @@ def main() -> int:
     out = summarize(args, runs, results, fs_type)
     out["arena_locked_bytes"] = locked
     out["arena_pinned"] = min(locked) > 0
+    out["arena_page"] = pages  # each sidecar's: "4 KiB, ..." or "2048 KiB, ..."
+    out["arena_huge_bytes"] = huge
     emit(out, args.json)
     return 0
 
