@@ -172,7 +172,7 @@ class TierstoreStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         layout, pages = self._ready()
-        starts = _page_starts(host_indices, len(keys), pages.shape.page_size)
+        starts = page_starts(host_indices, len(keys), pages.shape.page_size)
         threads = self.copy_threads
 
         def copy(client: StoreClient, slots: list[int], pages_at: list[int]) -> None:
@@ -184,7 +184,7 @@ class TierstoreStorage(HiCacheStorage):
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
         layout, pages = self._ready()
-        starts = _page_starts(host_indices, len(keys), pages.shape.page_size)
+        starts = page_starts(host_indices, len(keys), pages.shape.page_size)
         threads = self.copy_threads
 
         def copy(client: StoreClient, slots: list[int], pages_at: list[int]) -> None:
@@ -386,7 +386,7 @@ def _copy_views(views: list[torch.Tensor], pages: HostPages, into_arena: bool) -
     return copy
 
 
-def _page_starts(host_indices: torch.Tensor, num_keys: int, page_size: int) -> list[int]:
+def page_starts(host_indices: torch.Tensor, num_keys: int, page_size: int) -> list[int]:
     if host_indices.numel() != num_keys * page_size:
         raise ValueError(
             f"{num_keys} pages of {page_size} tokens need {num_keys * page_size} host "
