@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,10 +22,12 @@ import yaml
 from tierstore.cli.main import build_parser
 from tierstore.config import load_config
 from tierstore.engines.vllm.driver import kv_transfer_config
+from tierstore.memory.arena import Arena
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 MANIFEST = DEPLOY / "kubernetes" / "tierstore.yaml"
 UNITS = sorted((DEPLOY / "systemd").glob("*.service"))
+ARENA_MOUNT = DEPLOY / "systemd" / "run-tierstore_arena.mount"
 
 
 def docs() -> list[dict[str, Any]]:
@@ -124,3 +127,52 @@ def test_systemd_units_verify(unit: Path, tmp_path: Path) -> None:
 def test_the_sidecar_unit_lets_the_arena_be_locked() -> None:
     (unit,) = [u for u in UNITS if u.name == "tierstore.service"]
     assert "LimitMEMLOCK=infinity" in unit.read_text()
+
+
+def unit_values(unit: Path, key: str) -> list[str]:
+    """The values of ``key=`` lines in ``unit`` (comments skipped)."""
+    return [
+        line.split("=", 1)[1]
+        for line in unit.read_text().splitlines()
+        if line.startswith(f"{key}=")
+    ]
+
+
+def test_the_arena_mount_unit_verifies_and_is_the_sidecars_shm_dir(tmp_path: Path) -> None:
+    assert verify_unit(ARENA_MOUNT, tmp_path) == ""
+    (where,) = unit_values(ARENA_MOUNT, "Where")
+    # systemd names a mount unit after its path: one that does not match is refused.
+    assert verify_unit(ARENA_MOUNT, tmp_path, "\n[Mount]\nWhere=/run/elsewhere\n") != ""
+    (service,) = [u for u in UNITS if u.name == "tierstore.service"]
+    assert where in unit_values(service, "RequiresMountsFor")
+    env = dict(v.split("=", 1) for v in unit_values(service, "Environment"))
+    assert load_config(None, env=env).store.shm_dir == where
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
+def test_the_arena_mount_units_options_give_the_arena_huge_pages(tmp_path: Path) -> None:
+    """The unit's own Options= (its size cut to 64 MiB) on a tmpfs here: an
+    arena there is mapped with 2 MiB pages; the same options without huge=
+    (the control) give base pages, as /dev/shm does."""
+    (options,) = unit_values(ARENA_MOUNT, "Options")
+    opts = [o for o in options.split(",") if not o.startswith("size=")] + ["size=64m"]
+    assert "huge=within_size" in opts
+    for label, mount_opts in (("unit", opts), ("control", [o for o in opts if "huge" not in o])):
+        where = tmp_path / label
+        where.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(mount_opts), "tmpfs", str(where)],
+                       check=True, capture_output=True, timeout=30)  # fmt: skip
+        try:
+            arena = Arena.create(32 << 20, where)  # populated upfront
+            try:
+                huge = arena.huge_bytes()
+                if label == "unit":
+                    assert arena.page_kind == "thp (tmpfs huge=within_size)", arena.page_kind
+                    assert huge > 0 and huge % (2 << 20) == 0, huge
+                else:
+                    assert arena.page_kind.startswith("base"), arena.page_kind
+                    assert huge == 0, huge
+            finally:
+                arena.close()
+        finally:
+            subprocess.run(["umount", str(where)], check=True, timeout=30)
