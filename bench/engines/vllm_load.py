@@ -55,7 +55,14 @@ Every case's per-prompt loads, its limit and its ratio are in ``cases``,
 with ``counters``: what the serving sidecar counted during the case
 (promotions, spills, peer fetches and the pulls that joined them).
 
-A side measurement, not the figure: each case's ``connector_loads_s`` is
+A side measurement, not the figure: each DRAM case's ``same_memory_gbps``
+is ``copy_runs_gbps`` again, out of a shared mapping of a file on the
+sidecars' ``shm_dir`` (the arena's kind of memory, its page size) into
+torch tensors (vLLM-CPU's KV cache is torch's), after the limit, and
+``vs_same_memory`` the load against it (``wide_kv_vs_same_memory_runs``):
+how much of the gap to memcpy is the memory the load copies between.
+
+Another: each case's ``connector_loads_s`` is
 the connector's own timing of each load (``vllm:tierstore_load_seconds``,
 read from vLLM's metrics around the loading ask: the sidecar's acquire and
 the copies into the pages, without the forward pass), and
@@ -121,6 +128,7 @@ class Case:
     first_tokens_equal: bool = True
     limit_gbps: float = 0.0
     limit: str = ""
+    same_memory_gbps: float = 0.0  # DRAM cases: the load's copies between the load's memory kinds
     counters: dict[str, int] = field(default_factory=dict)
 
     def figures(self, kv_bytes: int) -> dict[str, Any]:
@@ -130,6 +138,12 @@ class Case:
 
         load, inner = statistics.median(self.load_s), statistics.median(self.connector_load_s)
         (gbps, vs_limit), (_, inner_vs_limit) = rate(load), rate(inner)
+        same = {}
+        if self.same_memory_gbps:
+            same = {
+                "same_memory_gbps": round(self.same_memory_gbps, 3),
+                "vs_same_memory": round(gbps / self.same_memory_gbps, 3),
+            }
         return {
             "load_s": round(load, 4),
             "load_pairs_s": [round(x, 4) for x in self.load_s],
@@ -140,6 +154,7 @@ class Case:
             "connector_load_s": round(inner, 4),
             "connector_loads_s": [round(x, 4) for x in self.connector_load_s],
             "connector_vs_limit": inner_vs_limit,
+            **same,
             "loaded_all": self.loaded_all,
             "first_tokens_equal": self.first_tokens_equal,
             "counters": self.counters,
@@ -285,6 +300,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.copy_threads < 1:
         parser.error("--copy-threads must be 1-64: the limit copies on as many threads")
     threads = copy_thread_count(args.copy_threads)
+    shm_dir = StoreConfig().shm_dir  # where the sidecars' arenas go, unless --set says
+    for setting in args.set:
+        if setting.startswith("shm_dir="):
+            shm_dir = setting.split("=", 1)[1]
     rng = random.Random(39)
     work = [[rng.randrange(1, 1000) for _ in range(args.tokens)] for _ in range(args.prompts)]
     reused = (args.tokens - 1) // BLOCK * BLOCK
@@ -337,20 +356,24 @@ def main(argv: list[str] | None = None) -> None:
             with VllmEngine(model, ours, log_path=tmp / "a.log", **kwargs) as eng:
                 for p in work:  # cold: computed, every full block saved to A
                     eng.generate([p], 1)
-                ratios, inner_ratios = [], []
+                ratios, inner_ratios, same_ratios = [], [], []
                 for r in range(args.runs):
                     case = load_case(eng, work, reused, sock_a, args.rounds)
                     case.limit_gbps, case.limit = memcpy_limit(kv_bytes, num_blocks, threads)
+                    case.same_memory_gbps = copy_runs_gbps(WIDE, num_blocks, 3, threads, shm_dir)
                     cases[f"dram_run{r + 1}"] = fig = case.figures(kv_bytes)
                     ratios.append(fig["vs_limit"])
                     inner_ratios.append(fig["connector_vs_limit"])
+                    same_ratios.append(fig["vs_same_memory"])
                 result["wide_kv_vs_memcpy_runs"] = ratios
                 result["connector_load_vs_memcpy_runs"] = inner_ratios
+                result["wide_kv_vs_same_memory_runs"] = same_ratios
                 for name, f in (("min", min), ("median", statistics.median), ("max", max)):
                     result[f"wide_kv_vs_memcpy_{name}"] = f(ratios)
                 time.sleep(args.idle_s)
                 case = load_case(eng, work, reused, sock_a)
                 case.limit_gbps, case.limit = memcpy_limit(kv_bytes, num_blocks, threads)
+                case.same_memory_gbps = copy_runs_gbps(WIDE, num_blocks, 3, threads, shm_dir)
                 cases["dram_aged"] = fig = case.figures(kv_bytes)
                 result["idle_s"] = args.idle_s
                 result["wide_kv_aged_vs_memcpy"] = fig["vs_limit"]

@@ -93,17 +93,36 @@ def save_path_s(socket: Path, n: int, spec: ModelSpec, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def copy_runs_gbps(spec: ModelSpec, num_blocks: int, repeats: int = 3, threads: int = 1) -> float:
+def copy_runs_gbps(
+    spec: ModelSpec, num_blocks: int, repeats: int = 3, threads: int = 1,
+    shm_dir: str | None = None,
+) -> float:  # fmt: skip
     """The load's copies between two touched buffers: per layer, one
     ``copy_runs`` of every block's K and V plane out of an arena-ordered
     buffer (block after block, each every layer's planes) into vLLM's
     per-layer pages on ``threads`` threads, as ``vllm.pages.CpuPageMover``
-    does; best of ``repeats``."""
+    does; best of ``repeats``. By default both are numpy arrays (numpy asks
+    for transparent huge pages on large ones); with ``shm_dir``, the memory
+    the load itself copies between: the source a shared mapping of a file on
+    that mount (the sidecar's arena's kind) and the pages torch tensors (as
+    vLLM-CPU allocates its KV cache)."""
+    import torch
+
+    from bench.limits import shm_buffer
     from tierstore.memory.memcopy import copy_runs
 
     inner = spec.block_bytes // spec.num_layers // 2  # one plane of one layer
-    src = np.ones(num_blocks * spec.block_bytes, dtype=np.uint8)
-    pages = [np.zeros(2 * num_blocks * inner, dtype=np.uint8) for _ in range(spec.num_layers)]
+    nbytes = num_blocks * spec.block_bytes
+    if shm_dir is None:
+        src = np.ones(nbytes, dtype=np.uint8)
+        pages = [np.zeros(2 * num_blocks * inner, dtype=np.uint8) for _ in range(spec.num_layers)]
+    else:
+        src = np.frombuffer(shm_buffer(nbytes, shm_dir), dtype=np.uint8)
+        src[:] = 1
+        pages = [
+            torch.ones(2 * num_blocks * inner, dtype=torch.uint8).numpy()
+            for _ in range(spec.num_layers)
+        ]
     blocks = np.arange(num_blocks, dtype=np.int64)
     page_offsets = np.concatenate([blocks * inner, (num_blocks + blocks) * inner])
 
