@@ -131,6 +131,11 @@ def format_stat(stat: dict[str, Any]) -> str:
             c.get("spill_failures", 0),
             c.get("bad_requests", 0),
         ),
+        "          writes that found DRAM full {} (waited {:.2f} s, evicting {} blocks)".format(
+            c.get("full_waits", 0),
+            c.get("full_wait_us", 0) / 1e6,
+            c.get("full_wait_evicted_blocks", 0),
+        ),
     ]
     lines += _restart_lines(stat.get("info", {}), c)
     if "remote_turns_not_durable" in c:

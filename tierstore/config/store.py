@@ -30,6 +30,7 @@ class StoreConfig:
     eviction_policy: str = "lru"  # lru | s3fifo, for DRAM and NVMe
     nvme_admission: str = "always"  # always | seen_twice: which evicted blocks are spilled
     demote_batch_blocks: int = 32  # blocks spilled per NVMe write batch (one fsync)
+    demote_batch_bytes: int = 128 << 20  # and at most this many bytes (writers wait one batch)
     promote_wait_s: float = 10.0  # longest wait for another thread's promotion of a block
     demoter_poll_s: float = 1.0  # the demoter re-checks DRAM usage at least this often
     nvme_read_depth: int = 4  # NVMe reads in flight while one request promotes blocks
@@ -57,6 +58,7 @@ class StoreConfig:
                 f"got low={self.dram_low_watermark} high={self.dram_high_watermark}"
             )
         at_least(self, 1, "demote_batch_blocks")
+        at_least(self, 1, "demote_batch_bytes")
         at_least(self, 1, "nvme_read_depth")
         positive(self, "promote_wait_s")
         positive(self, "demoter_poll_s")

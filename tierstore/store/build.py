@@ -225,6 +225,7 @@ def _build_demoter(
         digest=digests.digest,
         counters=counters,
         batch_blocks=config.demote_batch_blocks,
+        batch_bytes=config.demote_batch_bytes,
         high_bytes=int(config.dram_high_watermark * capacity),
         low_bytes=int(config.dram_low_watermark * capacity),
         poll_s=config.demoter_poll_s,

@@ -11,8 +11,11 @@ already or the admission policy refuses it) and offered to the remote tier
 when there is one; its digest goes with it (computed now only if the hasher
 has not reached it yet). Replicas no longer live go first
 (``ReplicaRetention``), then the DRAM eviction policy's order, a bounded
-batch per pass. Eviction is serialised by ``lock``, which the store also
-holds for a drain and at close.
+batch per pass: at most ``batch_blocks`` blocks and, for the thread's
+passes, about ``batch_bytes``. Eviction is serialised by ``lock``, which the
+store also holds for a drain and at close. It is a ``FairLock``: a writer
+that finds DRAM full while the thread spills waits for that one batch (its
+NVMe write), not for every batch the thread would take next.
 
 Collaborators are explicit (the tiers, the replica ledger, the policies,
 the digest function, the store's counters): it never calls back into the
@@ -39,7 +42,45 @@ from tierstore.workers import Workers
 
 log = logging.getLogger(__name__)
 _faults = RateLimitedLog(log)
-DEMOTER_COUNTERS = ("spilled_blocks", "spill_failures", "spill_skipped_admission", "dropped_blocks")
+DEMOTER_COUNTERS = (
+    "spilled_blocks", "spill_failures", "spill_skipped_admission", "dropped_blocks",
+    # make_room: writes and promotions that found DRAM full (the demoter behind) and
+    # made room in the caller's call, the blocks they evicted, and the microseconds they
+    # waited (the victims' NVMe writes included): the time engines wait on a slow tier.
+    "full_waits", "full_wait_evicted_blocks", "full_wait_us",
+)  # fmt: skip
+
+
+class FairLock:
+    """A lock taken in the order it was asked for (a ticket lock). A thread
+    that releases it and asks again at once, as the demoter does between
+    batches, queues behind the threads already waiting. ``threading.Lock``
+    makes no such promise: in tests/unit/store/test_demoter_fair.py the
+    releasing thread took it back before the waiting one in most tries."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition(threading.Lock())
+        self._next_ticket = 0
+        self._serving = 0
+
+    def __enter__(self) -> FairLock:
+        with self._turn:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            while ticket != self._serving:
+                self._turn.wait()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._turn:
+            self._serving += 1
+            self._turn.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        """Threads queued for the lock, the holder not counted."""
+        with self._turn:
+            return max(0, self._next_ticket - self._serving - 1)
 
 
 class Demoter:
@@ -57,6 +98,7 @@ class Demoter:
         digest: Callable[[DramEntry], bytes],
         counters: Counters,
         batch_blocks: int,
+        batch_bytes: int,
         high_bytes: int,
         low_bytes: int,
         poll_s: float,
@@ -72,10 +114,11 @@ class Demoter:
         self._digest = digest
         self.counters = counters
         self._batch_blocks = batch_blocks
+        self._batch_bytes = batch_bytes
         self.high_bytes = high_bytes
         self.low_bytes = low_bytes
         self._poll_s = poll_s
-        self.lock = threading.Lock()  # serialises eviction
+        self.lock = FairLock()  # serialises eviction, in the order it is asked for
         self._wake = threading.Condition()
         self._closing = False
         self._thread = workers.start("tierstore-demoter", self._loop)
@@ -83,19 +126,30 @@ class Demoter:
     def make_room(self, nbytes: int, count: int = 1) -> bool:
         """Evict synchronously until a slot of ``nbytes`` fits, evicting room
         for up to ``count`` such slots in the first batch (a caller with many
-        blocks to place evicts once, not once per block). False if no slot fits."""
+        blocks to place evicts once, not once per block). False if no slot fits.
+        Each call is counted (``full_waits``, with the blocks it evicted and the
+        time it took): a caller here waits on NVMe writes the demoter did not
+        make in the background."""
         if nbytes > self.dram.allocator.capacity_bytes:
             return False  # would never fit: evict nothing
-        with self.lock:
-            free_bytes = self.dram.allocator.capacity_bytes - self.dram.used_bytes()
-            want = nbytes * max(1, count) - free_bytes
-            while want > 0 or not self.dram.can_fit(nbytes):
-                victims = self._take_victims(max(want, nbytes))
-                if not victims:
-                    return self.dram.can_fit(nbytes)
-                want -= sum(v.nbytes for v in victims)
-                self._spill(victims)
-            return True
+        started = time.perf_counter()
+        evicted = 0
+        try:
+            with self.lock:
+                free_bytes = self.dram.allocator.capacity_bytes - self.dram.used_bytes()
+                want = nbytes * max(1, count) - free_bytes
+                while want > 0 or not self.dram.can_fit(nbytes):
+                    victims = self._take_victims(max(want, nbytes))
+                    if not victims:
+                        return self.dram.can_fit(nbytes)
+                    want -= sum(v.nbytes for v in victims)
+                    evicted += self._spill(victims)
+                return True
+        finally:
+            waited_us = int((time.perf_counter() - started) * 1e6)
+            self.counters.add_many(
+                {"full_waits": 1, "full_wait_evicted_blocks": evicted, "full_wait_us": waited_us}
+            )
 
     def demote(self, keys: list[BlockKey]) -> int:
         """Move these committed, unpinned blocks out of DRAM now (spilled to
@@ -129,7 +183,8 @@ class Demoter:
                     continue  # a poll, not a pass of the high watermark: spill nothing
             while self.dram.used_bytes() > self.low_bytes and not self._closing:
                 with self.lock:
-                    victims = self._take_victims(self.dram.used_bytes() - self.low_bytes)
+                    want = min(self.dram.used_bytes() - self.low_bytes, self._batch_bytes)
+                    victims = self._take_victims(want)
                     if not victims:
                         break
                     self._spill(victims)

@@ -5,6 +5,7 @@ eviction policy."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -115,6 +116,42 @@ def test_a_read_that_raises_leaves_nothing_reserved_or_pinned(store) -> None:
     nvme.raise_on.clear()
     assert len(s.acquire(L, keys, owner=4)) == 6  # the failed slot was aborted, not wedged
     s.release(keys, owner=4)
+
+
+def test_writes_that_find_dram_full_count_their_wait_and_what_they_evicted(tmp_path) -> None:
+    """The demoter off (high watermark 1.0): every eviction is a writer's own,
+    and each such write is counted with the time it waited, here at least the
+    20 ms a slow NVMe write takes. Writes that fit count nothing (the control)."""
+    cfg = StoreConfig(
+        dram_bytes=BLOCKS_IN_DRAM * L.block_bytes,
+        dram_segment_bytes=BLOCKS_IN_DRAM * L.block_bytes,
+        nvme_dir=str(tmp_path / "unused"),
+        dram_high_watermark=1.0,
+        dram_low_watermark=0.95,
+    )
+    nvme = FakeNvme()
+    write_many = nvme.write_many
+
+    def slow_write_many(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.02)
+        return write_many(*args, **kwargs)
+
+    nvme.write_many = slow_write_many  # type: ignore[method-assign]
+    s = TieredStore(cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, nvme))
+    try:
+        keys = keys_of(BLOCKS_IN_DRAM * 2)
+        for i in range(0, BLOCKS_IN_DRAM, 4):
+            assert all(s.put(L, keys[i : i + 4], data_for(keys[i : i + 4])))
+        c = s.counters.snapshot()
+        assert (c["full_waits"], c["full_wait_evicted_blocks"], c["full_wait_us"]) == (0, 0, 0)
+        for i in range(BLOCKS_IN_DRAM, len(keys), 4):
+            assert all(s.put(L, keys[i : i + 4], data_for(keys[i : i + 4])))
+        c = s.counters.snapshot()
+        assert c["full_waits"] == BLOCKS_IN_DRAM // 4  # each later batch found DRAM full
+        assert c["full_wait_evicted_blocks"] == c["spilled_blocks"] == BLOCKS_IN_DRAM
+        assert c["full_wait_us"] >= c["full_waits"] * 20_000
+    finally:
+        s.close()
 
 
 def test_reserve_reports_blocks_held_on_nvme_as_existing(store) -> None:
