@@ -62,25 +62,38 @@ class FairLock:
         self._turn = threading.Condition(threading.Lock())
         self._next_ticket = 0
         self._serving = 0
+        self._abandoned: set[int] = set()  # tickets whose waiter left (an exception)
 
     def __enter__(self) -> FairLock:
         with self._turn:
             ticket = self._next_ticket
             self._next_ticket += 1
-            while ticket != self._serving:
-                self._turn.wait()
+            try:
+                while ticket != self._serving:
+                    self._turn.wait()
+            except BaseException:  # e.g. KeyboardInterrupt: give the turn up, not the lock
+                self._abandoned.add(ticket)
+                self._advance()
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         with self._turn:
+            self._abandoned.add(self._serving)
+            self._advance()
+
+    def _advance(self) -> None:
+        """Serve the next ticket whose waiter is still there. Holds ``_turn``."""
+        while self._serving in self._abandoned:
+            self._abandoned.discard(self._serving)
             self._serving += 1
-            self._turn.notify_all()
+        self._turn.notify_all()
 
     @property
     def waiting(self) -> int:
         """Threads queued for the lock, the holder not counted."""
         with self._turn:
-            return max(0, self._next_ticket - self._serving - 1)
+            return max(0, self._next_ticket - self._serving - 1 - len(self._abandoned))
 
 
 class Demoter:

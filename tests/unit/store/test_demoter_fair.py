@@ -49,6 +49,45 @@ def test_a_thread_that_releases_and_asks_again_queues_behind_the_waiting_one() -
     assert lock.waiting == 0
 
 
+def test_a_waiter_that_leaves_on_an_exception_does_not_wedge_the_lock() -> None:
+    lock = FairLock()
+    lock.__enter__()
+    left = threading.Event()
+
+    class Leave(Exception):
+        pass
+
+    def wait_then_leave() -> None:
+        original = lock._turn.wait
+
+        def wait(timeout: float | None = None) -> bool:
+            original(0.01)
+            raise Leave
+
+        lock._turn.wait = wait  # type: ignore[method-assign]
+        try:
+            lock.__enter__()
+        except Leave:
+            left.set()
+        finally:
+            lock._turn.wait = original  # type: ignore[method-assign]
+
+    leaver = threading.Thread(target=wait_then_leave)
+    leaver.start()
+    leaver.join(10)
+    assert left.is_set() and lock.waiting == 0
+    order: list[str] = []
+    later = threading.Thread(target=lambda: (lock.__enter__(), order.append("later"),
+                                             lock.__exit__(None, None, None)))  # fmt: skip
+    later.start()
+    wait_for(lambda: lock.waiting == 1)
+    lock.__exit__(None, None, None)
+    later.join(10)
+    assert order == ["later"]  # served past the abandoned ticket
+    with lock:
+        pass
+
+
 def keys_of(n: int, start: int = 0) -> list[BlockKey]:
     return chain_keys(L, np.arange(start, start + n * L.block_tokens))
 
