@@ -4,6 +4,8 @@ and switches to make a read fail, corrupt or raise."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -46,6 +48,9 @@ class FakeNvme:
         self.stats_ = TierStats(capacity_bytes=0)
         self.counters = Counters(())  # the real tier's disk-full figures; none here
         self.root: Path | None = None  # no directory: no drain report is kept
+        self.write_delay_s = 0.0  # each write_many takes at least this long (a slow disk)
+        self.write_log: list[tuple[str, float]] = []  # per write_many: (thread, end time)
+        self.on_write: Callable[[], None] | None = None  # called as each write_many starts
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         return [k in self.blocks for k in keys]
@@ -59,6 +64,10 @@ class FakeNvme:
         items: Sequence[tuple[BlockKey, bytes, Any]],
         digests: Sequence[bytes | None] | None = None,
     ) -> list[bool]:
+        if self.on_write is not None:
+            self.on_write()
+        if self.write_delay_s:
+            time.sleep(self.write_delay_s)
         out = []
         for i, (key, fp, data) in enumerate(items):
             if self.fail_writes:
@@ -74,6 +83,7 @@ class FakeNvme:
             self.blocks[key] = (raw, bytes(fp), digest)
             self.writes += 1
             out.append(True)
+        self.write_log.append((threading.current_thread().name, time.monotonic()))
         return out
 
     def read_into(self, key: BlockKey, out: Any, *, in_parallel: bool = False) -> int | None:

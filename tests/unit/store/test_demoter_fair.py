@@ -131,19 +131,12 @@ def thread_batches_before_a_full_write(tmp_path, lock: Any = None) -> int:
         demoter_poll_s=0.01,
     )
     nvme = FakeNvme()
-    log: list[tuple[str, float]] = []
+    nvme.write_delay_s = WRITE_S
+    log = nvme.write_log
     writing = threading.Event()  # the thread is in its first batch's write
-    write_many = nvme.write_many
-
-    def slow_write_many(*args: Any, **kwargs: Any) -> Any:
-        if threading.current_thread().name == "tierstore-demoter":
-            writing.set()
-        time.sleep(WRITE_S)
-        out = write_many(*args, **kwargs)
-        log.append((threading.current_thread().name, time.monotonic()))
-        return out
-
-    nvme.write_many = slow_write_many  # type: ignore[method-assign]
+    nvme.on_write = lambda: (
+        writing.set() if threading.current_thread().name == "tierstore-demoter" else None
+    )
     s = TieredStore(cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, nvme))
     try:
         if lock is not None:

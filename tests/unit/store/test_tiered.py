@@ -5,7 +5,6 @@ eviction policy."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -130,13 +129,7 @@ def test_writes_that_find_dram_full_count_their_wait_and_what_they_evicted(tmp_p
         dram_low_watermark=0.95,
     )
     nvme = FakeNvme()
-    write_many = nvme.write_many
-
-    def slow_write_many(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(0.02)
-        return write_many(*args, **kwargs)
-
-    nvme.write_many = slow_write_many  # type: ignore[method-assign]
+    nvme.write_delay_s = 0.02
     s = TieredStore(cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, nvme))
     try:
         keys = keys_of(BLOCKS_IN_DRAM * 2)
