@@ -99,6 +99,7 @@ from bench.switch.hosts import LINKS
 from harness.netns import Network, exit_on_signals, run_in_netns
 from harness.sidecar import bench_sidecar
 from tierstore.client import StoreClient
+from tierstore.config import load_config
 from tierstore.config.store import StoreConfig
 from tierstore.engines.vllm.driver import (
     LOAD_SECONDS,
@@ -300,10 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.copy_threads < 1:
         parser.error("--copy-threads must be 1-64: the limit copies on as many threads")
     threads = copy_thread_count(args.copy_threads)
-    shm_dir = StoreConfig().shm_dir  # where the sidecars' arenas go, unless --set says
-    for setting in args.set:
-        if setting.startswith("shm_dir="):
-            shm_dir = setting.split("=", 1)[1]
+    # Where the sidecars' arenas go: their config as they read it (this environment's
+    # TIERSTORE_* included), with --set on top.
+    sets = dict(s.split("=", 1) for s in args.set if "=" in s)
+    shm_dir = load_config(overrides={"shm_dir": sets.get("shm_dir")}).store.shm_dir
     rng = random.Random(39)
     work = [[rng.randrange(1, 1000) for _ in range(args.tokens)] for _ in range(args.prompts)]
     reused = (args.tokens - 1) // BLOCK * BLOCK

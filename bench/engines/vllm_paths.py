@@ -105,9 +105,8 @@ def copy_runs_gbps(
     for transparent huge pages on large ones); with ``shm_dir``, the memory
     the load itself copies between: the source a shared mapping of a file on
     that mount (the sidecar's arena's kind) and the pages torch tensors (as
-    vLLM-CPU allocates its KV cache)."""
-    import torch
-
+    vLLM-CPU allocates its KV cache). On a hugetlbfs ``shm_dir`` the kernel's
+    pool must have room for this buffer too, beside the arenas."""
     from bench.limits import shm_buffer
     from tierstore.memory.memcopy import copy_runs
 
@@ -117,6 +116,8 @@ def copy_runs_gbps(
         src = np.ones(nbytes, dtype=np.uint8)
         pages = [np.zeros(2 * num_blocks * inner, dtype=np.uint8) for _ in range(spec.num_layers)]
     else:
+        import torch
+
         src = np.frombuffer(shm_buffer(nbytes, shm_dir), dtype=np.uint8)
         src[:] = 1
         pages = [

@@ -131,7 +131,8 @@ def format_stat(stat: dict[str, Any]) -> str:
             c.get("spill_failures", 0),
             c.get("bad_requests", 0),
         ),
-        "          writes that found DRAM full {} (waited {:.2f} s, evicting {} blocks)".format(
+        "          writes and promotions that found DRAM full {} (waited {:.2f} s, "
+        "evicting {} blocks)".format(
             c.get("full_waits", 0),
             c.get("full_wait_us", 0) / 1e6,
             c.get("full_wait_evicted_blocks", 0),

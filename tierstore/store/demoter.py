@@ -79,6 +79,8 @@ class FairLock:
 
     def __exit__(self, *exc: object) -> None:
         with self._turn:
+            if self._serving >= self._next_ticket:
+                raise RuntimeError("FairLock released while nobody holds it")
             self._abandoned.add(self._serving)
             self._advance()
 
