@@ -56,7 +56,10 @@ def percentiles_ms(seconds: list[float]) -> list[float]:
     return [*(round(float(x), 2) for x in p), round(max(seconds) * 1e3, 2)]
 
 
-def run(seconds: float, dram_bytes: int, batch: int, settings: list[str]) -> dict[str, Any]:
+def run(
+    seconds: float, dram_bytes: int, batch: int, settings: list[str], raw_bytes: int = 1 << 30
+) -> dict[str, Any]:
+    """See the module docstring; ``raw_bytes``: the size of the raw write."""
     rows = np.random.default_rng(0).integers(0, 255, (batch, LAYOUT.block_bytes), dtype=np.uint8)
     filling: list[float] = []
     full: list[float] = []
@@ -81,7 +84,7 @@ def run(seconds: float, dram_bytes: int, batch: int, settings: list[str]) -> dic
                 stat = c.stat()
                 counters = dict(stat.counters)
                 nvme_bytes = next(t.capacity_bytes for t in stat.tiers if t.name == "nvme")
-            write_gbps, _ = raw_disk_gbps(str(root), 1 << 30)
+            write_gbps, _ = raw_disk_gbps(str(root), raw_bytes)
     return {
         "settings": settings,
         "block_bytes": LAYOUT.block_bytes,
