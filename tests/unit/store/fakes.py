@@ -4,19 +4,22 @@ and switches to make a read fail, corrupt or raise."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import blake3
 
+from tierstore.config.store import StoreConfig
 from tierstore.counters import Counters
 from tierstore.keys import BlockKey
 from tierstore.load import RateMeter
+from tierstore.memory.arena import Arena
+from tierstore.store.nvme.tier import NvmeTier
+from tierstore.store.tiered import TieredStore
 from tierstore.tiers import TierName, TierStats
 
 
@@ -49,7 +52,6 @@ class FakeNvme:
         self.counters = Counters(())  # the real tier's disk-full figures; none here
         self.root: Path | None = None  # no directory: no drain report is kept
         self.write_delay_s = 0.0  # each write_many takes at least this long (a slow disk)
-        self.write_log: list[tuple[str, float]] = []  # per write_many: (thread, end time)
         self.on_write: Callable[[], None] | None = None  # called as each write_many starts
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -83,7 +85,6 @@ class FakeNvme:
             self.blocks[key] = (raw, bytes(fp), digest)
             self.writes += 1
             out.append(True)
-        self.write_log.append((threading.current_thread().name, time.monotonic()))
         return out
 
     def read_into(self, key: BlockKey, out: Any, *, in_parallel: bool = False) -> int | None:
@@ -117,3 +118,16 @@ class FakeNvme:
 
     def close(self) -> None:
         self.closed = True
+
+
+def store_over(nvme: FakeNvme, tmp_path: Path, dram_bytes: int, **settings: Any) -> TieredStore:
+    """A tiered store with ``dram_bytes`` of DRAM in one segment and ``nvme``
+    under it; ``settings``: more StoreConfig fields."""
+    cfg = StoreConfig(
+        dram_bytes=dram_bytes,
+        dram_segment_bytes=dram_bytes,
+        nvme_dir=str(tmp_path / "unused"),
+        **settings,
+    )
+    arena = Arena.create(cfg.dram_bytes, cfg.shm_dir)
+    return TieredStore(cfg, arena=arena, nvme=cast(NvmeTier, nvme))

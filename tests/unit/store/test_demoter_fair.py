@@ -8,20 +8,16 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import pytest
 
-from tierstore.config.store import StoreConfig
 from tierstore.keys import BlockKey, chain_keys
-from tierstore.memory.arena import Arena
 from tierstore.store.demoter import FairLock
-from tierstore.store.nvme.tier import NvmeTier
-from tierstore.store.tiered import TieredStore
 
 from ...conftest import SMALL_LAYOUT
-from .fakes import FakeNvme
+from .fakes import FakeNvme, store_over
 
 L = SMALL_LAYOUT
 BLOCKS_IN_DRAM = 16
@@ -148,16 +144,6 @@ def thread_batches_before_a_full_write(tmp_path, inner: Any = None) -> int:
     blocks a batch. DRAM full, and while the thread writes its first batch
     (held there until the write below has queued), a write of 2 blocks: how
     many times the demoter thread took the eviction lock before that write."""
-    cfg = StoreConfig(
-        dram_bytes=BLOCKS_IN_DRAM * L.block_bytes,
-        dram_segment_bytes=BLOCKS_IN_DRAM * L.block_bytes,
-        nvme_dir=str(tmp_path / "unused"),
-        dram_high_watermark=0.9,
-        dram_low_watermark=0.05,
-        demote_batch_blocks=32,
-        demote_batch_bytes=2 * L.block_bytes,
-        demoter_poll_s=0.01,
-    )
     nvme = FakeNvme()
     writing, queued = threading.Event(), threading.Event()
 
@@ -167,7 +153,11 @@ def thread_batches_before_a_full_write(tmp_path, inner: Any = None) -> int:
             queued.wait(10)
 
     nvme.on_write = hold_the_first_batch
-    s = TieredStore(cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, nvme))
+    s = store_over(
+        nvme, tmp_path, BLOCKS_IN_DRAM * L.block_bytes,
+        dram_high_watermark=0.9, dram_low_watermark=0.05, demote_batch_blocks=32,
+        demote_batch_bytes=2 * L.block_bytes, demoter_poll_s=0.01,
+    )  # fmt: skip
     lock = s.demoter.lock = LoggedLock(inner if inner is not None else s.demoter.lock)
     try:
         keys = keys_of(BLOCKS_IN_DRAM + 2)

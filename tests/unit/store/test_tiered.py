@@ -20,7 +20,7 @@ from tierstore.store.tiered import TieredStore
 from tierstore.tiers import TIER_CODES, TierName
 
 from ...conftest import SMALL_LAYOUT
-from .fakes import FakeNvme
+from .fakes import FakeNvme, store_over
 
 L = SMALL_LAYOUT
 BLOCKS_IN_DRAM = 16
@@ -34,15 +34,11 @@ def data_for(keys: list[BlockKey]) -> list[bytes]:
 
 @pytest.fixture(params=["lru", "s3fifo"])
 def store(request, tmp_path) -> Iterator[tuple[TieredStore, FakeNvme]]:
-    cfg = StoreConfig(
-        dram_bytes=BLOCKS_IN_DRAM * L.block_bytes,
-        dram_segment_bytes=BLOCKS_IN_DRAM * L.block_bytes,
-        nvme_dir=str(tmp_path / "unused"),
-        eviction_policy=request.param,
-        demoter_poll_s=0.05,
-    )
     nvme = FakeNvme()
-    s = TieredStore(cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, nvme))
+    s = store_over(
+        nvme, tmp_path, BLOCKS_IN_DRAM * L.block_bytes,
+        eviction_policy=request.param, demoter_poll_s=0.05,
+    )  # fmt: skip
     yield s, nvme
     s.close()
     assert nvme.closed
@@ -121,16 +117,12 @@ def test_writes_that_find_dram_full_count_their_wait_and_what_they_evicted(tmp_p
     """The demoter off (high watermark 1.0): every eviction is a writer's own,
     and each such write is counted with the time it waited, here at least the
     20 ms a slow NVMe write takes. Writes that fit count nothing (the control)."""
-    cfg = StoreConfig(
-        dram_bytes=BLOCKS_IN_DRAM * L.block_bytes,
-        dram_segment_bytes=BLOCKS_IN_DRAM * L.block_bytes,
-        nvme_dir=str(tmp_path / "unused"),
-        dram_high_watermark=1.0,
-        dram_low_watermark=0.95,
-    )
     nvme = FakeNvme()
     nvme.write_delay_s = 0.02
-    s = TieredStore(cfg, arena=Arena.create(cfg.dram_bytes, cfg.shm_dir), nvme=cast(NvmeTier, nvme))
+    s = store_over(
+        nvme, tmp_path, BLOCKS_IN_DRAM * L.block_bytes,
+        dram_high_watermark=1.0, dram_low_watermark=0.95,
+    )  # fmt: skip
     try:
         keys = keys_of(BLOCKS_IN_DRAM * 2)
         for i in range(0, BLOCKS_IN_DRAM, 4):
